@@ -1,0 +1,56 @@
+"""Per-generation statistics as plain data: what a round did and where the time went."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    mode: str
+    num_draft_tokens: int
+    tokens: int = 0
+    rounds: int = 0
+    accepted_histogram: list[int] = field(default_factory=list)  # index a: rounds that accepted a drafts
+    cache_hits: int = 0
+    cache_misses: int = 0
+    branches_drafted: int = 0
+    prefill_s: float = 0.0
+    verify_s: float = 0.0
+    draft_s: float = 0.0        # drafting on the critical path (first draft, misses, plain SD)
+    prespeculate_s: float = 0.0  # pre-speculation in the draft worker, overlapping verification
+    wait_s: float = 0.0          # the target, done verifying, waiting for pre-speculation
+    total_s: float = 0.0
+
+    def __post_init__(self):
+        if not self.accepted_histogram:
+            self.accepted_histogram = [0] * (self.num_draft_tokens + 1)
+
+    def record_round(self, accepted: int) -> None:
+        self.rounds += 1
+        self.accepted_histogram[accepted] += 1
+
+    @property
+    def mean_accepted(self) -> float:
+        return sum(a * n for a, n in enumerate(self.accepted_histogram)) / max(self.rounds, 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts per drafted token (0 for autoregressive decoding)."""
+        return self.mean_accepted / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cache_hits / max(self.cache_hits + self.cache_misses, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def target_waited_for_draft_s(self) -> float:
+        return self.draft_s + self.wait_s
+
+    def as_dict(self) -> dict:
+        derived = ("mean_accepted", "acceptance_rate", "cache_hit_rate", "tokens_per_s",
+                   "target_waited_for_draft_s")
+        return {**asdict(self), **{name: getattr(self, name) for name in derived}}
