@@ -61,7 +61,19 @@ def pick_tokens(logits: torch.Tensor, params: SamplingParams, saguaro: SaguaroSa
     return sample_from(q, uniforms), q
 
 
+# Odd 64-bit constant: the draft's stream for seed s is never the target's for any small seed.
+DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15
+
+
 def seeded_generator(seed: int) -> torch.Generator:
+    """The target's random stream for a request seed."""
     generator = torch.Generator()
     generator.manual_seed(seed)
     return generator
+
+
+def draft_generator(seed: int) -> torch.Generator:
+    """The draft's own stream. It runs on its own thread, so sharing the target's stream
+    would make seeded runs depend on thread timing; offsetting the seed keeps the two
+    streams apart, also across requests with neighbouring seeds."""
+    return seeded_generator((seed + DRAFT_SEED_OFFSET) % 2**63)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from plugins.branch_draft.reference import commit_indices, step_mask
-from runtime.sampling import SaguaroSampling, SamplingParams, pick_tokens, seeded_generator
+from runtime.sampling import SaguaroSampling, SamplingParams, pick_tokens, draft_generator
 
 
 @dataclass
@@ -47,9 +47,7 @@ class Speculator:
                  saguaro: SaguaroSampling | None, capacity: int):
         self.engine, self.k = engine, num_draft_tokens
         self.sampling, self.saguaro = sampling, saguaro
-        # The draft's own random stream: it runs on its own thread, so sharing the
-        # target's generator would make seeded runs depend on thread timing.
-        self.generator = seeded_generator(sampling.seed + 1)
+        self.generator = draft_generator(sampling.seed)
         self.cache = engine.new_cache(capacity)
         self.cached: list[int] = []
 
@@ -74,7 +72,9 @@ class Speculator:
     def draft(self, ids: list[int]) -> Draft:
         """Ordinary drafting: K tokens from `ids`, one forward each (the last not fed)."""
         if self.k == 0:
-            return Draft(torch.empty(0, dtype=torch.int64), None, torch.empty(0))
+            vocab = self.engine.info.vocab_size
+            return Draft(torch.empty(0, dtype=torch.int64),
+                         None if self.sampling.greedy else torch.empty(0, vocab), torch.empty(0, vocab))
         logits = self._sync(ids)
         tokens, probs, rows = [], [], []
         for step in range(self.k):

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create or reuse the project's virtual environment (.venv) and install what it needs.
+# Sourced by quickstart.sh and test.sh; safe to run again: it reinstalls only when
+# pyproject.toml changed since the last install.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PYTHON_BIN="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[bootstrap] creating $VENV"
+  "$PYTHON_BIN" -m venv "$VENV"
+fi
+STAMP="$VENV/.saguaro-installed"
+WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  echo "[bootstrap] installing dependencies into $VENV (first run: a few minutes)"
+  # torch first and pinned: a bare 'torch' requirement could pull a CUDA build of several GB.
+  # On machines without the local CPU wheel add: --index-url https://download.pytorch.org/whl/cpu
+  "$VENV/bin/pip" install --quiet "torch==2.13.0"
+  "$VENV/bin/pip" install --quiet -e "$ROOT[dev]"
+  echo "$WANT" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command: set up the environment if needed, then run the whole test suite
+# (unit, exactness, engines, and end-to-end tests against a real Triton server).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/bootstrap.sh"
+cd "$ROOT"
+exec python -m pytest -q "$@"

@@ -1,0 +1,136 @@
+"""How the modes relate, seeded determinism, and bad input rejected before any work."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from checkpoints import make_checkpoint
+from runtime.checkpoint import CheckpointError
+from runtime.options import DecodeOptions
+from runtime.pipeline import Pipeline, RequestError
+from runtime.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = [1, 9, 14, 22, 5, 31]
+SAMPLED = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=11)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    target = make_checkpoint(root / "target", vocab_size=40, hidden=32, layers=2, seed=0, logit_scale=4.0)
+    draft = make_checkpoint(root / "draft", vocab_size=40, hidden=16, seed=1, logit_scale=4.0)
+    return Pipeline.load(target, draft)
+
+
+def run(pipeline, sampling=SAMPLED, **options):
+    return pipeline.generate(PROMPT, DecodeOptions(max_tokens=30, eos_token_id=-1, **options), sampling)
+
+
+def test_ssd_without_prespeculation_is_speculative_decoding(pipeline):
+    for sampling in (SamplingParams(), SAMPLED):
+        sd = run(pipeline, sampling, mode="speculative", num_draft_tokens=3)
+        ssd_off = run(pipeline, sampling, mode="ssd", num_draft_tokens=3, prespeculate=False)
+        assert ssd_off.output_ids == sd.output_ids
+        assert ssd_off.stats.accepted_histogram == sd.stats.accepted_histogram
+        assert ssd_off.stats.cache_hits == ssd_off.stats.cache_misses == 0
+
+
+def test_k_zero_is_autoregressive_decoding(pipeline):
+    for sampling in (SamplingParams(), SAMPLED):
+        ar = run(pipeline, sampling, mode="autoregressive")
+        for mode in ("speculative", "ssd"):
+            k0 = run(pipeline, sampling, mode=mode, num_draft_tokens=0)
+            assert k0.output_ids == ar.output_ids
+            assert k0.stats.rounds == len(ar.output_ids)
+
+
+def test_seeded_sampling_is_deterministic_and_seed_dependent(pipeline):
+    first = run(pipeline, mode="ssd", num_draft_tokens=2, saguaro_factor=0.5)
+    again = run(pipeline, mode="ssd", num_draft_tokens=2, saguaro_factor=0.5)
+    other = run(pipeline, SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=12),
+                mode="ssd", num_draft_tokens=2, saguaro_factor=0.5)
+    assert first.output_ids == again.output_ids
+    assert first.output_ids != other.output_ids
+
+
+def test_cancellation_and_streaming_callback(pipeline):
+    streamed = []
+    generation = pipeline.generate(PROMPT, DecodeOptions(max_tokens=30, eos_token_id=-1), SAMPLED,
+                                   on_tokens=streamed.append, cancelled=lambda: len(streamed) >= 2)
+    assert generation.finish_reason == "cancelled"
+    assert sum(streamed, []) == generation.output_ids and len(streamed) == 2
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: DecodeOptions(num_draft_tokens=-1), "num_draft_tokens"),
+    (lambda: DecodeOptions(mode="beam"), "decoding mode"),
+    (lambda: DecodeOptions(max_tokens=0), "max_tokens"),
+    (lambda: DecodeOptions(num_draft_tokens=2, fanout=(1, 2)), "fanout"),
+    (lambda: DecodeOptions(saguaro_factor=1.5), "saguaro"),
+    (lambda: SamplingParams(temperature=-0.1), "temperature"),
+    (lambda: SamplingParams(top_p=0.0), "top_p"),
+    (lambda: SamplingParams(top_p=1.2), "top_p"),
+    (lambda: SamplingParams(top_k=-3), "top_k"),
+])
+def test_bad_options_are_named(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_bad_prompts_are_named(pipeline):
+    options = DecodeOptions()
+    with pytest.raises(RequestError, match="empty"):
+        pipeline.generate([], options, SamplingParams())
+    with pytest.raises(RequestError, match="empty"):
+        pipeline.encode("")
+    with pytest.raises(RequestError, match="does not fit the context"):
+        pipeline.generate([5] * pipeline.max_context, options, SamplingParams())
+    with pytest.raises(RequestError, match="token ids"):
+        pipeline.generate([5, 4000], options, SamplingParams())
+
+
+def test_mismatched_pairs_are_refused(tmp_path, pipeline):
+    other_vocab = make_checkpoint(tmp_path / "v48", vocab_size=48)
+    with pytest.raises(CheckpointError, match="vocab_size 48 differs"):
+        Pipeline.load(pipeline.target.info.path, other_vocab)
+    other_words = make_checkpoint(tmp_path / "words", vocab_size=40, word_prefix="z")
+    with pytest.raises(CheckpointError, match="tokenizer"):
+        Pipeline.load(pipeline.target.info.path, other_words)
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(CheckpointError, match="only 'llama'"):
+        Pipeline.load(pipeline.target.info.path, tmp_path / "gpt2")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Pipeline.load(pipeline.target.info.path, tmp_path / "nowhere")
+
+
+def generate_cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_cli_json_contract(tiny_pair):
+    result = generate_cli("--target", str(tiny_pair / "target"), "--draft", str(tiny_pair / "draft"),
+                          "--mode", "ssd", "-k", "3", "--fanout", "2", "--prompt", "The with statement",
+                          "--max-tokens", "12", "--json")
+    assert result.returncode == 0, result.stderr
+    output = json.loads(result.stdout)
+    assert {"prompt_ids", "output_ids", "text", "stats"} <= output.keys()
+    assert 0 < len(output["output_ids"]) <= 12 and output["stats"]["tokens"] == len(output["output_ids"])
+    # every round but the last looks its outcome up in the speculation cache
+    assert output["stats"]["cache_hits"] + output["stats"]["cache_misses"] == output["stats"]["rounds"] - 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num-draft-tokens", "-1"], "num_draft_tokens"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--prompt", ""], "prompt is empty"),
+    (["--fanout", "x"], "--fanout"),
+])
+def test_cli_rejects_bad_input_with_exit_code_2(tiny_pair, args, message):
+    result = generate_cli("--target", str(tiny_pair / "target"), "--draft", str(tiny_pair / "draft"), *args)
+    assert result.returncode == 2 and message in result.stderr

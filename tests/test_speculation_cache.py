@@ -1,0 +1,114 @@
+"""Speculation cache keys, hit/miss, miss fallback, KV rollback and branch commit."""
+import pytest
+import torch
+
+from checkpoints import make_checkpoint
+from runtime.engine import TorchEngine
+from runtime.sampling import SamplingParams
+from runtime.speculator import Speculator
+from runtime.verifier import Verifier
+
+K = 3
+PROMPT = [1, 7, 12, 30, 9]
+FANOUT = torch.tensor([2, 2, 1, 2])
+
+
+@pytest.fixture(scope="module")
+def draft_engine(tmp_path_factory):
+    return TorchEngine(make_checkpoint(tmp_path_factory.mktemp("draft") / "m", vocab_size=48, hidden=32,
+                                       layers=2, seed=3, max_positions=128))
+
+
+def new_speculator(engine, sampling=SamplingParams()):
+    return Speculator(engine, K, sampling, None, capacity=128)
+
+
+def live_kv(speculator):
+    length = speculator.cache.length
+    return speculator.cache.keys[:, :, :length], speculator.cache.values[:, :, :length]
+
+
+def test_keys_cover_the_fanout_and_exclude_the_next_draft(draft_engine):
+    speculator = new_speculator(draft_engine)
+    draft = speculator.draft(PROMPT)
+    speculation = speculator.prespeculate(PROMPT, draft, FANOUT)
+    assert len(speculation.keys) == int(FANOUT.sum())
+    for depth in range(K + 1):
+        tokens = [t for (j, t) in speculation.keys if j == depth]
+        assert len(tokens) == FANOUT[depth]
+        if depth < K:
+            assert int(draft.tokens[depth]) not in tokens
+    some_key = next(iter(speculation.keys))
+    assert speculation.lookup(*some_key) == speculation.keys[some_key]
+    assert speculation.lookup(K, -1) is None  # a miss
+
+
+def test_each_branch_drafts_what_ordinary_drafting_would(draft_engine):
+    speculator = new_speculator(draft_engine)
+    draft = speculator.draft(PROMPT)
+    speculation = speculator.prespeculate(PROMPT, draft, FANOUT)
+    for (depth, token), branch in speculation.keys.items():
+        context = PROMPT + draft.tokens[:depth].tolist() + [token]
+        ordinary = new_speculator(draft_engine).draft(context)
+        assert speculation.drafts[branch].tokens.tolist() == ordinary.tokens.tolist()
+        assert torch.allclose(speculation.drafts[branch].logits, ordinary.logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("branch", range(int(FANOUT.sum())))
+def test_committing_a_hit_branch_leaves_the_cache_of_ordinary_drafting(draft_engine, branch):
+    speculator = new_speculator(draft_engine)
+    draft = speculator.draft(PROMPT)
+    speculation = speculator.prespeculate(PROMPT, draft, FANOUT)
+    (depth, token), = [key for key, b in speculation.keys.items() if b == branch]
+    new_ids = PROMPT + draft.tokens[:depth].tolist() + [token]
+    adopted = speculator.adopt(new_ids, speculation, branch)
+
+    ordinary = new_speculator(draft_engine)
+    expected = ordinary.draft(new_ids)
+    assert adopted.tokens.tolist() == expected.tokens.tolist()
+    assert speculator.cached == ordinary.cached
+    for got, want in zip(live_kv(speculator), live_kv(ordinary)):
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+    # and the round after the hit goes on exactly like ordinary drafting
+    follow_up = new_ids + expected.tokens[:1].tolist() + [5]
+    assert speculator.draft(follow_up).tokens.tolist() == ordinary.draft(follow_up).tokens.tolist()
+
+
+def test_miss_fallback_rolls_the_tree_back(draft_engine):
+    speculator = new_speculator(draft_engine)
+    draft = speculator.draft(PROMPT)
+    speculator.prespeculate(PROMPT, draft, FANOUT)
+    outcome_ids = PROMPT + draft.tokens[:1].tolist() + [int(draft.tokens[1])]  # a key never cached
+    fallback = speculator.draft(outcome_ids)
+    assert speculator.cache.length == len(outcome_ids) + K - 1
+    assert fallback.tokens.tolist() == new_speculator(draft_engine).draft(outcome_ids).tokens.tolist()
+
+
+def test_verifier_rolls_back_rejected_drafts(draft_engine):
+    """The target keeps `last, d_1..d_a`; what follows matches a fresh prefill."""
+    verifier = Verifier(draft_engine, PROMPT, SamplingParams())
+    drafter = new_speculator(draft_engine)
+    draft = drafter.draft(PROMPT)
+    wrong = draft.tokens.clone()
+    wrong[1] = (wrong[1] + 1) % 48  # the target's own greedy choice, spoiled at depth 1
+    draft.tokens = wrong
+    outcome = verifier.verify(PROMPT, draft, K)
+    assert outcome.accepted == 1
+    ids = PROMPT + wrong[:1].tolist() + [outcome.bonus]
+    assert verifier.cache.length == len(ids) - 1
+    fresh = draft_engine.new_cache(64)
+    want = draft_engine.forward(fresh, torch.tensor(ids), torch.arange(len(ids)))[-1]
+    got = draft_engine.forward(verifier.cache, torch.tensor(ids[-1:]), torch.tensor([len(ids) - 1]))[-1]
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_cache_fork_is_independent(draft_engine):
+    cache = draft_engine.new_cache(32)
+    draft_engine.forward(cache, torch.tensor(PROMPT), torch.arange(len(PROMPT)))
+    twin = cache.fork()
+    before = twin.keys.clone()
+    draft_engine.forward(cache, torch.tensor([3, 4]), torch.tensor([5, 6]))
+    cache.truncate(2)
+    assert twin.length == len(PROMPT) and torch.equal(twin.keys, before)
+    with pytest.raises(ValueError, match="truncate"):
+        cache.truncate(10)
