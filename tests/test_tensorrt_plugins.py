@@ -1,0 +1,204 @@
+"""The TensorRT side: plugin nodes stripped for the parser, profiles, registrations, builds.
+
+What needs TensorRT itself (registering with `tensorrt.plugin`, building and running an
+engine on a GPU) is skipped where `tensorrt` is not installed: it comes from NVIDIA's
+index only. The ONNX-side preparation runs everywhere.
+"""
+import types
+from unittest import mock
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from build import tensorrt_builder
+from build.tensorrt_builder import TensorRTBuildOptions, profile_shapes, strip_plugin_functions
+from plugins.branch_draft import PLUGIN_VERSION as BRANCH_VERSION
+from plugins.branch_draft import onnx_function as branch_onnx
+from plugins.branch_draft import tensorrt_plugin as branch_trt
+from plugins.fused_verify import PLUGIN_VERSION as VERIFY_VERSION
+from plugins.fused_verify import onnx_function as verify_onnx
+from plugins.fused_verify import tensorrt_plugin as verify_trt
+
+try:
+    import tensorrt  # noqa: F401
+    HAVE_TENSORRT = True
+except ImportError:
+    HAVE_TENSORRT = False
+
+
+def attributes(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def both_plugins_model() -> onnx.ModelProto:
+    """One graph using both plugin nodes next to an ordinary op and a non-plugin function."""
+    verify = verify_onnx.standalone_model()
+    branch = branch_onnx.standalone_model()
+    helper_function = helper.make_function("local", "Twice", ["x"], ["y"], [helper.make_node("Add", ["x", "x"], ["y"])],
+                                           [helper.make_opsetid("", 17)])
+    nodes = [*verify.graph.node, *branch.graph.node,
+             helper.make_node("Twice", ["uniforms"], ["doubled"], domain="local")]
+    inputs = list(verify.graph.input) + [i for i in branch.graph.input if i.name != "draft_tokens"]
+    outputs = list(verify.graph.output) + list(branch.graph.output) + [
+        helper.make_tensor_value_info("doubled", TensorProto.FLOAT, ["rows"])]
+    graph = helper.make_graph(nodes, "both", inputs, outputs)
+    return helper.make_model(graph, functions=[*verify.functions, *branch.functions, helper_function],
+                             opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("saguaro", 1),
+                                            helper.make_opsetid("local", 1)])
+
+
+def test_stripped_model_passes_the_checker_and_keeps_plugin_attributes():
+    model = both_plugins_model()
+    onnx.checker.check_model(model, full_check=True)
+    stripped = strip_plugin_functions(model)
+    onnx.checker.check_model(stripped, full_check=True)
+    assert [f.name for f in stripped.functions] == ["Twice"]
+    plugin_nodes = {n.op_type: attributes(n) for n in stripped.graph.node if n.domain == "saguaro"}
+    assert plugin_nodes["FusedVerify"] == {"plugin_namespace": b"saguaro", "plugin_version": VERIFY_VERSION.encode()}
+    assert plugin_nodes["BranchDraft"] == {"plugin_namespace": b"saguaro", "plugin_version": BRANCH_VERSION.encode(),
+                                           "max_branches": branch_onnx.DEFAULT_MAX_BRANCHES}
+    assert len(model.functions) == 3  # the input model is left as it was
+
+
+def test_strip_adds_the_plugin_domain_import():
+    model = verify_onnx.standalone_model()
+    del model.opset_import[:]
+    model.opset_import.append(helper.make_opsetid("", 17))
+    stripped = strip_plugin_functions(model)
+    assert {o.domain for o in stripped.opset_import} == {"", "saguaro"}
+    onnx.checker.check_model(stripped)
+
+
+def test_strip_rejects_a_plugin_node_tensorrt_could_not_map():
+    model = verify_onnx.standalone_model()
+    node = model.graph.node[0]
+    kept = [a for a in node.attribute if a.name != "plugin_namespace"]
+    del node.attribute[:]
+    node.attribute.extend(kept)
+    with pytest.raises(ValueError, match="plugin_namespace"):
+        strip_plugin_functions(model)
+
+
+def test_plugin_versions_are_the_one_tensorrt_plugin_registers():
+    """`tensorrt.plugin` registers every creator as version "1"; the parser looks up the node's."""
+    for version in (VERIFY_VERSION, BRANCH_VERSION):
+        verify_trt.check_plugin_version(version)
+    with pytest.raises(RuntimeError, match="version"):
+        verify_trt.check_plugin_version("2")
+
+
+def test_profile_shapes_from_named_dimensions():
+    model = branch_onnx.standalone_model()
+    shapes = profile_shapes(model, {"rows": (1, 5, 9), "vocab": (64, 64, 64), "drafts": (0, 4, 8)})
+    assert shapes == {"scores": ((1, 64), (5, 64), (9, 64)), "draft_tokens": ((0,), (4,), (8,)),
+                      "fanout": ((1,), (5,), (9,))}
+    with pytest.raises(ValueError, match="vocab"):
+        profile_shapes(model, {"rows": (1, 5, 9), "drafts": (0, 4, 8)})
+
+
+def test_build_options_from_a_config_section():
+    options = TensorRTBuildOptions.from_mapping(
+        {"dims": {"batch": [1, 1, 4]}, "precision": "fp16", "workspace_gib": 0.5})
+    assert options.dim_ranges == {"batch": (1, 1, 4)} and options.precision == "fp16"
+    assert options.workspace_bytes == 1 << 29 and options.strongly_typed
+    with pytest.raises(ValueError):
+        TensorRTBuildOptions(precision="fp8")
+    with pytest.raises(ValueError):
+        TensorRTBuildOptions(dim_ranges={"batch": (4, 1, 8)})
+
+
+@pytest.mark.skipif(HAVE_TENSORRT, reason="checks the error shown when TensorRT is missing")
+def test_missing_tensorrt_says_how_to_install_it(tmp_path):
+    for register in (verify_trt.register, branch_trt.register):
+        with pytest.raises(ImportError, match="pypi.nvidia.com"):
+            register()
+    with pytest.raises(ImportError, match="pypi.nvidia.com"):
+        tensorrt_builder.build_engine(tmp_path / "model.onnx", tmp_path / "model.plan", {})
+
+
+def fake_tensorrt() -> types.SimpleNamespace:
+    """Just enough of the `tensorrt` module for `build_engine` to drive (a call-sequence check)."""
+    trt = mock.MagicMock(name="tensorrt")
+    trt.__version__ = "10.8.0"
+    trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED = 1
+    trt.Builder.return_value.build_serialized_network.return_value = b"plan-bytes"
+    trt.OnnxParser.return_value.parse.return_value = True
+    return trt
+
+
+def test_build_engine_drives_the_builder_api(tmp_path):
+    onnx_path = tmp_path / "branch.onnx"
+    onnx.save(branch_onnx.standalone_model(), onnx_path)
+    trt = fake_tensorrt()
+    options = TensorRTBuildOptions(dim_ranges={"rows": (1, 5, 9), "vocab": (64, 64, 64), "drafts": (0, 4, 8)})
+    with mock.patch.object(tensorrt_builder, "import_tensorrt", return_value=(trt, None)), \
+            mock.patch.object(tensorrt_builder, "register_plugins") as register:
+        tensorrt_builder.build_engine(onnx_path, tmp_path / "out" / "branch.plan", options)
+    register.assert_called_once()
+    trt.Builder.return_value.create_network.assert_called_once_with(1 << 1)
+    parsed_bytes, parsed_path = trt.OnnxParser.return_value.parse.call_args.args
+    parsed = onnx.load_from_string(parsed_bytes)
+    assert len(parsed.functions) == 0 and parsed_path == str(onnx_path)
+    profile = trt.Builder.return_value.create_optimization_profile.return_value
+    profile.set_shape.assert_any_call("scores", (1, 64), (5, 64), (9, 64))
+    assert (tmp_path / "out" / "branch.plan").read_bytes() == b"plan-bytes"
+
+
+def test_weak_typing_flags_only_where_tensorrt_still_has_them():
+    trt, config = fake_tensorrt(), mock.MagicMock()
+    tensorrt_builder.apply_precision(trt, config, TensorRTBuildOptions(precision="fp16", strongly_typed=False))
+    config.set_flag.assert_called_once_with(trt.BuilderFlag.FP16)
+    trt.BuilderFlag = types.SimpleNamespace()  # TensorRT 11: weak typing removed
+    with pytest.raises(RuntimeError, match="strongly_typed"):
+        tensorrt_builder.apply_precision(trt, config, TensorRTBuildOptions(precision="fp16", strongly_typed=False))
+
+
+# ---- with TensorRT (GPU machines) ----
+
+needs_tensorrt = pytest.mark.tensorrt
+
+
+@needs_tensorrt
+def test_plugins_register_with_tensorrt():
+    pytest.importorskip("tensorrt", reason="TensorRT comes from NVIDIA's index only (pypi.nvidia.com)")
+    import tensorrt as trt
+
+    tensorrt_builder.register_plugins()
+    registry = trt.get_plugin_registry()
+    for name in ("FusedVerify", "BranchDraft"):
+        assert registry.get_creator(name, "1", "saguaro") is not None
+
+
+@needs_tensorrt
+@pytest.mark.parametrize("k", [0, 3])
+def test_fused_verify_engine_matches_reference(tmp_path, k):
+    pytest.importorskip("tensorrt", reason="TensorRT comes from NVIDIA's index only (pypi.nvidia.com)")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("TensorRT engines need a CUDA GPU")
+    import tensorrt as trt
+
+    from plugins.fused_verify.reference import fused_verify
+
+    onnx_path = tmp_path / "verify.onnx"
+    onnx.save(verify_onnx.standalone_model(), onnx_path)
+    dims = {"rows": (1, 4, 9), "drafts": (0, 3, 8), "vocab": (50, 50, 50)}
+    plan = tensorrt_builder.build_engine(onnx_path, tmp_path / "verify.plan", {"dims": dims})
+    engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(plan.read_bytes())
+    context = engine.create_execution_context()
+    generator = torch.Generator().manual_seed(k)
+    logits, q = torch.randn(k + 1, 50, generator=generator), torch.softmax(torch.randn(k, 50, generator=generator), -1)
+    drafts, uniforms = torch.randint(0, 50, (k,), generator=generator), torch.rand(k + 1, generator=generator)
+    feeds = {"target_logits": logits, "draft_tokens": drafts, "draft_probs": q, "uniforms": uniforms,
+             "temperature": torch.tensor(0.8), "top_k": torch.tensor(0), "top_p": torch.tensor(0.9)}
+    device = {name: value.cuda().contiguous() for name, value in feeds.items()}
+    outputs = {name: torch.empty((), dtype=torch.int64, device="cuda") for name in ("accepted", "bonus")}
+    for name, tensor in {**device, **outputs}.items():
+        if name in device:
+            context.set_input_shape(name, tuple(tensor.shape))
+        context.set_tensor_address(name, tensor.data_ptr())
+    assert context.execute_async_v3(torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    expected = fused_verify(logits, drafts, q, uniforms, 0.8, 0, 0.9)
+    assert (int(outputs["accepted"]), int(outputs["bonus"])) == tuple(int(v) for v in expected)
