@@ -1,0 +1,20 @@
+import os
+from pathlib import Path
+
+import pytest
+
+# OpenAI Triton reads this once, at its first import: kernels under test then run on the
+# CPU interpreter, whichever test module happens to import triton first.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with the tiny model pair (`target/`, `draft/`, `pair.json`), made once
+    per test session (about half a minute)."""
+    # Imported here so collecting tests that never use the pair stays fast.
+    from build.model_pair import make_pair
+
+    out_dir = tmp_path_factory.mktemp("models")
+    make_pair("tiny", out_dir, progress=False)
+    return out_dir
