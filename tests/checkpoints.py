@@ -5,13 +5,20 @@ enough to enumerate"), which a byte-level BPE cannot be.
 """
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+# Few merges over text with accents, CJK and emoji: such characters span several tokens,
+# exactly what incremental detokenisation must not split.
+TRAINING_TEXT = "the quick brown fox jumps over the lazy dog. café naïve Ωmega 日本語 🌵 " * 40
 
 
 def word_tokenizer(vocab_size: int, prefix: str = "w") -> PreTrainedTokenizerFast:
@@ -37,3 +44,36 @@ def make_checkpoint(folder: Path, vocab_size: int = 8, hidden: int = 32, layers:
     model.save_pretrained(folder)
     word_tokenizer(vocab_size, word_prefix).save_pretrained(folder)
     return Path(folder)
+
+
+def byte_level_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator([TRAINING_TEXT], trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<pad>")
+
+
+def build_engines_cli(pair: Path, out: Path, *flags: str) -> Path:
+    """Build an engine folder from a pair with `scripts/build_engines.py`, as users do."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "build_engines.py"
+    build = subprocess.run([sys.executable, str(script), "--target", str(pair / "target"),
+                            "--draft", str(pair / "draft"), "--out", str(out), "--quiet", *flags],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-2000:]
+    return out
+
+
+def with_longer_context(pair: Path, out: Path, max_positions: int) -> Path:
+    """A copy of a pair that accepts `max_positions` tokens (RoPE runs past its training
+    length: the text degrades, the computation stays exact). Long generations are what
+    cancellation and concurrency tests need."""
+    for role in ("target", "draft"):
+        shutil.copytree(pair / role, out / role)
+        config_file = out / role / "config.json"
+        config = json.loads(config_file.read_text())
+        config["max_position_embeddings"] = max_positions
+        config_file.write_text(json.dumps(config))
+    return out

@@ -18,3 +18,12 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out_dir = tmp_path_factory.mktemp("models")
     make_pair("tiny", out_dir, progress=False)
     return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_engines(tiny_pair: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """fp32 ONNX Runtime engines of the tiny pair, built once per session by the
+    project's build entry point (the way users build them)."""
+    from checkpoints import build_engines_cli
+
+    return build_engines_cli(tiny_pair, tmp_path_factory.mktemp("engines") / "tiny")

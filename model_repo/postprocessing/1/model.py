@@ -1,0 +1,66 @@
+"""Triton `postprocessing`: one streamed response's token ids to the text they add.
+
+Stateless by design (runtime/detokenizer.py): each response brings the tokens before
+its own, so a character split across rounds is held back and printed once, whole.
+
+This step is also the one that learns of a client's cancellation: Triton cancels the
+ensemble steps it schedules after the cancel, not the SSD step in flight. So a cancelled
+request here is relayed to the SSD model (a BLS request with the generation's id), which
+stops that generation at its next round (and ends it with a normal final response).
+"""
+import json
+import sys
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def parameters_of(args) -> dict:
+    config = json.loads(args["model_config"])
+    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+
+
+def put_repo_on_path(parameters: dict) -> None:
+    """The stub's sys.path lacks the project (this file runs from a copied repository)."""
+    root = parameters.get("repo_root")
+    if root and root not in sys.path:
+        sys.path.insert(0, root)
+
+
+def ids_of(request, name: str) -> list[int]:
+    return pb_utils.get_input_tensor_by_name(request, name).as_numpy().reshape(-1).tolist()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        parameters = parameters_of(args)
+        put_repo_on_path(parameters)
+        from runtime.detokenizer import text_delta
+        from runtime.serving import TextCodec
+
+        self.text_delta = text_delta
+        self.codec = TextCodec(parameters["tokenizer_dir"], bos_token_id=None)
+        self.generation_model = parameters["generation_model"]
+
+    def execute(self, requests):
+        return [self.respond(request) for request in requests]
+
+    def respond(self, request):
+        if request.is_cancelled():
+            # Relay, then answer as usual: an error here, while the SSD step still runs,
+            # would leave the ensemble request in flight forever (Triton 2.51).
+            self.relay_cancellation(request)
+        final = bool(pb_utils.get_input_tensor_by_name(request, "IS_FINAL").as_numpy().reshape(-1)[0])
+        text = self.text_delta(self.codec.decode, ids_of(request, "PREFIX_IDS"),
+                               ids_of(request, "TOKENS_BATCH"), final)
+        output = np.array([[text.encode("utf-8")]], dtype=object)
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", output)])
+
+    def relay_cancellation(self, request) -> None:
+        generation_id = pb_utils.get_input_tensor_by_name(request, "GENERATION_ID").as_numpy()
+        relay = pb_utils.InferenceRequest(
+            model_name=self.generation_model, requested_output_names=[],
+            inputs=[pb_utils.Tensor("cancel_generation_id", generation_id.reshape(1, 1))])
+        for response in relay.exec(decoupled=True):  # one empty final response
+            if response.has_error():
+                pb_utils.Logger.log_warn(f"cancelling generation failed: {response.error().message()}")

@@ -1,0 +1,72 @@
+"""Triton `preprocessing`: the prompt text to token ids, stop words to a word list.
+
+Encodes exactly as the runtime does (`runtime.serving.TextCodec`), so the ids the SSD
+model receives are the ones `Pipeline.encode` would give for the same text.
+"""
+import json
+import sys
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def parameters_of(args) -> dict:
+    config = json.loads(args["model_config"])
+    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+
+
+def put_repo_on_path(parameters: dict) -> None:
+    """The stub's sys.path lacks the project (this file runs from a copied repository)."""
+    root = parameters.get("repo_root")
+    if root and root not in sys.path:
+        sys.path.insert(0, root)
+
+
+def strings_of(request, name: str) -> list[str]:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return []
+    return [value.decode("utf-8") if isinstance(value, bytes) else str(value)
+            for value in tensor.as_numpy().reshape(-1)]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        parameters = parameters_of(args)
+        put_repo_on_path(parameters)
+        from runtime import serving
+
+        self.serving = serving
+        bos = parameters.get("bos_token_id", "").strip()
+        self.codec = serving.TextCodec(parameters["tokenizer_dir"], int(bos) if bos else None)
+
+    def execute(self, requests):
+        return [self.respond(request) for request in requests]
+
+    def respond(self, request):
+        try:
+            return pb_utils.InferenceResponse(output_tensors=self.preprocess(request))
+        except UnicodeDecodeError as error:
+            return error_response(f"input 'text_input' (or a word list) is not valid UTF-8: {error}")
+        except self.serving.RequestError as error:
+            return error_response(str(error))
+
+    def preprocess(self, request) -> list:
+        queries = strings_of(request, "QUERY")
+        if len(queries) != 1:
+            raise self.serving.RequestError(f"input 'text_input' must hold one string, got {len(queries)}")
+        if self.serving.split_words(strings_of(request, "BAD_WORDS_DICT")):
+            # Banning words means masking logits inside the lossless verification, which
+            # the engines do not do; refusing beats silently ignoring them.
+            raise self.serving.RequestError("input 'bad_words' is not supported by the SSD model; "
+                                            "send it empty or leave it out")
+        stop_words = self.serving.split_words(strings_of(request, "STOP_WORDS_DICT"))
+        input_ids = self.codec.encode(queries[0])
+        word_list = self.serving.word_list(self.codec.encode_word, stop_words)
+        return [pb_utils.Tensor("INPUT_ID", np.array([input_ids], dtype=np.int32)),
+                pb_utils.Tensor("STOP_WORDS_IDS", word_list[np.newaxis])]
+
+
+def error_response(message: str):
+    return pb_utils.InferenceResponse(
+        error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))

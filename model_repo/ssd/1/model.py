@@ -1,0 +1,234 @@
+"""Triton `ssd`: speculative speculative decoding, streamed as rounds complete.
+
+Decoupled: `execute` validates each request, hands it to a worker thread and returns at
+once (one `execute` at a time would serve one generation at a time). A worker runs
+`runtime.serving.run_request`, which sends a response per round when streaming and a
+final response carrying the request's stats. Cancellation is checked once per round;
+the SSD figures also go to Triton's metrics endpoint as custom metrics.
+
+Cancellation through the ensemble needs a relay: Triton cancels only the ensemble steps
+it schedules after the client cancels, never one in flight, so this model's request never
+looks cancelled. Each response therefore carries its generation's id; the postprocessing
+step, which Triton does cancel, sends that id back here (`cancel_generation_id`, a BLS
+request) and the generation stops at its next round.
+"""
+import json
+import secrets
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# Tokens per second of one request; a tiny model on CPU reaches the thousands.
+TOKENS_PER_S_BUCKETS = [1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000]
+# Asking Triton whether a request is cancelled is a round trip to the server process;
+# a few times a second is prompt enough, and rounds can be much faster than that.
+CANCEL_POLL_S = 0.05
+
+
+def parameters_of(args) -> dict:
+    config = json.loads(args["model_config"])
+    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+
+
+def put_repo_on_path(parameters: dict) -> None:
+    """The stub's sys.path lacks the project (this file runs from a copied repository)."""
+    root = parameters.get("repo_root")
+    if root and root not in sys.path:
+        sys.path.insert(0, root)
+
+
+def load_pipeline(parameters: dict):
+    from runtime.pipeline import Pipeline
+
+    if parameters.get("engines_dir"):
+        return Pipeline.load(engines=parameters["engines_dir"])
+    return Pipeline.load(target=parameters["target_dir"], draft=parameters["draft_dir"])
+
+
+def input_getter(request):
+    def get(name):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+    return get
+
+
+def send_error(sender, message: str, code) -> None:
+    error = pb_utils.TritonError(message, code)
+    try:
+        sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+    except Exception as failure:  # noqa: BLE001 - e.g. the final response already went out
+        pb_utils.Logger.log_error(f"could not report '{message}': {failure}")
+
+
+def polled(check, every_s: float):
+    """`check()` at most once per `every_s` seconds; a True answer sticks."""
+    last = {"at": float("-inf"), "answer": False}
+
+    def poll() -> bool:
+        now = time.monotonic()
+        if not last["answer"] and now - last["at"] >= every_s:
+            last["at"], last["answer"] = now, bool(check())
+        return last["answer"]
+    return poll
+
+
+def send_arrays(sender, arrays: dict, final: bool) -> None:
+    tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items()]
+    sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
+
+
+class SsdMetrics:
+    """Custom metrics next to Triton's own: counters summed over requests, a gauge of
+    generations in flight, and a histogram of per-request throughput.
+
+    Every update holds one lock: the stub does not serialise metric messages, and two
+    worker threads updating one metric at once crashed the server (a segfault in the
+    backend's ProcessMetricRequest)."""
+
+    def __init__(self, model: str, version: str):
+        self.labels = {"model": model, "version": version}
+        self.families = []  # a family must outlive its metrics: keep every one referenced
+        self.counters = {name: self.counter(f"ssd_{name}_total", help_text) for name, help_text in (
+            ("generated_tokens", "Tokens generated"),
+            ("rounds", "Decoding rounds (one target verification each)"),
+            ("accepted_draft_tokens", "Draft tokens the target accepted"),
+            ("cache_hits", "Rounds whose outcome was pre-speculated (SSD cache hits)"),
+            ("cache_misses", "Rounds whose outcome was not pre-speculated"))}
+        self.requests = self.family("ssd_requests_total", "Requests by finish reason",
+                                    pb_utils.MetricFamily.COUNTER)
+        self.by_reason = {}
+        self.in_flight = self.family("ssd_requests_in_flight", "Generations running or waiting for a worker",
+                                     pb_utils.MetricFamily.GAUGE).Metric(labels=self.labels)
+        self.tokens_per_s = self.family("ssd_request_tokens_per_second",
+                                        "Generated tokens per second of each request",
+                                        pb_utils.MetricFamily.HISTOGRAM
+                                        ).Metric(labels=self.labels, buckets=TOKENS_PER_S_BUCKETS)
+        self.lock = threading.Lock()
+
+    def family(self, name: str, description: str, kind):
+        self.families.append(pb_utils.MetricFamily(name=name, description=description, kind=kind))
+        return self.families[-1]
+
+    def counter(self, name: str, description: str):
+        return self.family(name, description, pb_utils.MetricFamily.COUNTER).Metric(labels=self.labels)
+
+    def change_in_flight(self, delta: int) -> None:
+        with self.lock:
+            self.in_flight.increment(delta)
+
+    def count_request(self, finish_reason: str) -> None:
+        with self.lock:
+            self._count_request(finish_reason)
+
+    def _count_request(self, finish_reason: str) -> None:
+        if finish_reason not in self.by_reason:
+            self.by_reason[finish_reason] = self.requests.Metric(
+                labels={**self.labels, "finish_reason": finish_reason})
+        self.by_reason[finish_reason].increment(1)
+
+    def record(self, outcome) -> None:
+        stats = outcome.stats
+        figures = {"generated_tokens": len(outcome.output_ids), "rounds": stats["rounds"],
+                   "accepted_draft_tokens": sum(a * n for a, n in enumerate(stats["accepted_histogram"])),
+                   "cache_hits": stats["cache_hits"], "cache_misses": stats["cache_misses"]}
+        with self.lock:
+            for name, value in figures.items():
+                self.counters[name].increment(value)
+            if outcome.output_ids:
+                self.tokens_per_s.observe(stats["tokens_per_s"])
+            self._count_request(outcome.finish_reason)
+
+
+class Generations:
+    """Live generations by id, each with the event that cancels it."""
+
+    def __init__(self):
+        self.events: dict[int, threading.Event] = {}
+        self.lock = threading.Lock()
+
+    def start(self) -> tuple[int, threading.Event]:
+        generation_id = secrets.randbits(63)  # unguessable: one client cannot stop another's
+        with self.lock:
+            self.events[generation_id] = threading.Event()
+            return generation_id, self.events[generation_id]
+
+    def end(self, generation_id: int) -> None:
+        with self.lock:
+            self.events.pop(generation_id, None)
+
+    def cancel(self, generation_id: int) -> None:
+        with self.lock:
+            event = self.events.get(generation_id)
+        if event is not None:
+            event.set()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        parameters = parameters_of(args)
+        put_repo_on_path(parameters)
+        from runtime import serving
+
+        self.serving = serving
+        self.pipeline = load_pipeline(parameters)
+        self.defaults = serving.ServingDefaults.from_parameters(parameters)
+        self.limits = serving.ModelLimits(self.pipeline.max_context, self.pipeline.target.info.vocab_size)
+        self.workers = ThreadPoolExecutor(int(parameters.get("max_concurrency") or 8),
+                                          thread_name_prefix="ssd-request")
+        self.metrics = SsdMetrics(args["model_name"], args["model_version"])
+        self.closing = threading.Event()
+        self.generations = Generations()
+
+    def execute(self, requests):
+        for request in requests:
+            self.accept(request)
+        return None  # decoupled: every response goes through the request's sender
+
+    def accept(self, request) -> None:
+        sender = request.get_response_sender()
+        cancel_id = pb_utils.get_input_tensor_by_name(request, "cancel_generation_id")
+        if cancel_id is not None:  # the relay from postprocessing, not a generation
+            self.generations.cancel(int(cancel_id.as_numpy().reshape(-1)[0]))
+            sender.send(flags=FINAL)
+            return
+        try:
+            parsed = self.serving.parse_request(input_getter(request), self.defaults, self.limits)
+            self.pipeline.check_request(parsed.prompt_ids, parsed.options)
+        except ValueError as error:  # RequestError, or a value the options reject
+            self.metrics.count_request("rejected")
+            send_error(sender, str(error), pb_utils.TritonError.INVALID_ARG)
+            return
+        self.metrics.change_in_flight(1)
+        self.workers.submit(self.generate, request, sender, parsed)
+
+    def generate(self, request, sender, parsed) -> None:
+        """A worker thread's whole job for one request; every path ends it with FINAL."""
+        generation_id, relayed_cancel = self.generations.start()
+        id_array = np.array([[generation_id]], dtype=np.uint64)
+        client_cancelled = polled(request.is_cancelled, CANCEL_POLL_S)  # when called directly
+        try:
+            outcome = self.serving.run_request(
+                self.pipeline, parsed,
+                lambda arrays, final: send_arrays(sender, {**arrays, "generation_id": id_array}, final),
+                is_cancelled=lambda: self.closing.is_set() or relayed_cancel.is_set() or client_cancelled())
+        except Exception as error:  # noqa: BLE001 - the client must hear of any failure
+            self.metrics.count_request("failed")
+            send_error(sender, f"generation failed: {type(error).__name__}: {error}",
+                       pb_utils.TritonError.INTERNAL)
+        else:
+            self.metrics.record(outcome)
+        finally:
+            self.generations.end(generation_id)
+            self.metrics.change_in_flight(-1)
+
+    def finalize(self):
+        # Running generations stop at their next round; queued ones start, see the flag
+        # and end at once, so every request still gets its final response.
+        self.closing.set()
+        self.workers.shutdown(wait=True)

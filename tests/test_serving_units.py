@@ -1,0 +1,275 @@
+"""Serving logic without a server: detokenisation, request validation, word lists, and the
+response stream that the Triton SSD model sends (driven here by the real runtime)."""
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from runtime.detokenizer import PREFIX_TOKENS, prefix_window, stream_text, text_delta
+from runtime.options import DecodeOptions
+from runtime.pipeline import Pipeline, RequestError
+from runtime.sampling import SamplingParams
+from runtime.serving import (ModelLimits, ServingDefaults, ServingRequest, TextCodec, first_stop_end,
+                             parse_request, parse_word_list, run_request, split_words, word_list)
+from scripts.prepare_model_repo import TEMPLATES, parse_args, prepare_model_repo, values_from_args
+from checkpoints import byte_level_tokenizer
+
+LIMITS = ModelLimits(max_context=64, vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_pair):
+    return Pipeline.load(target=tiny_pair / "target", draft=tiny_pair / "draft")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_level_tokenizer()
+
+
+def decoder(tokenizer):
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+# --- detokenisation --------------------------------------------------------------------
+
+def test_a_character_split_across_chunks_arrives_whole(tokenizer):
+    ids = tokenizer.encode("a日本b", add_special_tokens=False)
+    assert len(ids) >= 4, "each CJK character should span several byte tokens"
+    decode = decoder(tokenizer)
+    pieces = [text_delta(decode, prefix_window(ids, i), [ids[i]], final=False) for i in range(len(ids))]
+    assert "".join(pieces) == "a日本b"
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "日" in pieces and "本" in pieces  # each printed once, whole, by the token completing it
+
+
+def test_random_chunkings_reproduce_the_full_decode(tokenizer):
+    """Random ids include invalid and truncated UTF-8; chunks of 1-6 tokens like rounds."""
+    decode, rng = decoder(tokenizer), random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
+        cuts = sorted(rng.sample(range(1, len(ids)), min(len(ids) - 1, rng.randrange(0, 12))))
+        chunks = [ids[a:b] for a, b in zip([0] + cuts, cuts + [len(ids)])]
+        assert stream_text(decode, chunks) == decode(ids)
+
+
+def test_final_chunk_flushes_an_incomplete_character(tokenizer):
+    decode = decoder(tokenizer)
+    ids = tokenizer.encode("x日", add_special_tokens=False)[:-1]  # ends inside the character
+    assert text_delta(decode, [], ids, final=False) == "x"
+    assert text_delta(decode, [], ids, final=True) == decode(ids) == "x\ufffd"
+
+
+def test_prefix_window_is_the_tokens_just_before():
+    generated = list(range(20))
+    assert prefix_window(generated, 20) == generated[20 - PREFIX_TOKENS:]
+    assert prefix_window(generated, 3) == [0, 1, 2]
+    assert prefix_window(generated, 0) == []
+
+
+# --- request parsing -------------------------------------------------------------------
+
+def request_inputs(**overrides) -> dict:
+    inputs = {"input_ids": np.array([[1, 5, 6]], np.int32), "max_tokens": np.array([[8]], np.int32)}
+    for name, value in overrides.items():
+        if value is None:
+            inputs.pop(name, None)
+        elif isinstance(value, str):  # Triton hands strings over as bytes
+            inputs[name] = np.array([[value.encode()]], dtype=object)
+        else:
+            inputs[name] = np.array([value if isinstance(value, list) else [value]])
+    return inputs
+
+
+def parse(defaults=ServingDefaults(), **overrides) -> ServingRequest:
+    return parse_request(request_inputs(**overrides).get, defaults, LIMITS)
+
+
+def test_a_full_request_parses_into_runtime_options():
+    request = parse(stream=True, temperature=np.float32(0.5), top_k=7, top_p=np.float32(0.5), seed=np.uint64(9),
+                    end_id=-1, decoding_mode="speculative", num_draft_tokens=2, fanout=[1, 2, 3], budget=4,
+                    saguaro_factor=np.float32(0.5))
+    assert request.prompt_ids == [1, 5, 6] and request.stream
+    assert request.options == DecodeOptions(mode="speculative", num_draft_tokens=2, fanout=(1, 2, 3), budget=4,
+                                            saguaro_factor=0.5, max_tokens=8, eos_token_id=-1)
+    assert request.sampling == SamplingParams(temperature=0.5, top_k=7, top_p=0.5, seed=9)
+
+
+def test_left_out_knobs_take_the_configured_defaults():
+    defaults = ServingDefaults.from_parameters({"default_decoding_mode": "speculative",
+                                                "default_num_draft_tokens": "3", "default_fanout": "2",
+                                                "default_budget": " "})
+    request = parse(defaults)
+    assert (request.options.mode, request.options.num_draft_tokens, request.options.fanout) == ("speculative", 3, (2,))
+    assert request.options.budget is None and not request.stream and request.sampling.greedy
+
+
+def test_bad_configured_defaults_fail_at_load():
+    with pytest.raises(ValueError, match="decoding mode"):
+        ServingDefaults.from_parameters({"default_decoding_mode": "fast"})
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ({"input_ids": []}, "input_ids"),
+    ({"input_ids": list(range(64))}, "input_ids"),
+    ({"max_tokens": None}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"max_tokens": 62}, "max_tokens"),          # 3 prompt tokens + 62 > 64
+    ({"max_tokens": [4, 4]}, "max_tokens"),      # one value per request
+    ({"decoding_mode": "fast"}, "decoding_mode"),
+    ({"temperature": np.float32(-0.1)}, "temperature"),
+    ({"temperature": np.float32("nan")}, "temperature"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_p": np.float32(0)}, "top_p"),
+    ({"num_draft_tokens": -1}, "num_draft_tokens"),
+    ({"fanout": [1, 2]}, "fanout"),              # neither 1 nor K+1 = 5 values
+    ({"budget": 0}, "budget"),
+    ({"saguaro_factor": np.float32(2)}, "saguaro_factor"),
+    ({"end_id": 300}, "end_id"),
+])
+def test_each_bad_input_is_refused_naming_it(overrides, named):
+    with pytest.raises(RequestError, match=f"'{named}'"):
+        parse(**overrides)
+
+
+def test_max_tokens_may_fill_the_context_exactly():
+    assert parse(max_tokens=61).options.max_tokens == 61
+
+
+# --- word lists and stop sequences -----------------------------------------------------
+
+def test_word_lists_round_trip_in_tensorrtllm_layout():
+    words = {"ab": [7, 8], "c": [9]}
+    array = word_list(lambda word: words[word], ["ab", "c"])
+    assert array.tolist() == [[7, 8, 9], [2, 3, -1]]
+    assert parse_word_list(array[np.newaxis]) == [[7, 8], [9]]
+    assert parse_word_list(word_list(lambda word: [], [])) == []
+
+
+def test_words_are_read_as_csv_like_tensorrtllm_backend():
+    assert split_words(['foo,"a, b"', "", "bar"]) == ["foo", "a, b", "bar"]
+
+
+def test_stop_sequence_found_where_it_ends_first():
+    generated = [5, 1, 2, 3, 1, 2]
+    assert first_stop_end(generated, 0, [[1, 2]]) == 3
+    assert first_stop_end(generated, 3, [[1, 2]]) == 6      # only ends after `start` count
+    assert first_stop_end(generated, 2, [[2, 3], [5]]) == 4
+    assert first_stop_end(generated, 0, [[4]]) is None
+
+
+# --- the response stream, over the real runtime ----------------------------------------
+
+def collect(pipeline, request, cancel_after: int | None = None):
+    sent = []
+    outcome = run_request(pipeline, request, lambda arrays, final: sent.append((arrays, final)),
+                          is_cancelled=lambda: cancel_after is not None and len(sent) >= cancel_after)
+    return sent, outcome
+
+
+def new_ids(sent) -> list[int]:
+    return [int(i) for arrays, _ in sent for i in arrays["output_ids"].reshape(-1)]
+
+
+def test_streaming_sends_each_round_then_a_final_response_with_stats(pipeline):
+    prompt = pipeline.encode("the quick")
+    options = DecodeOptions(max_tokens=24, eos_token_id=-1)
+    reference = pipeline.generate(prompt, options, SamplingParams())
+    sent, outcome = collect(pipeline, ServingRequest(prompt, options, SamplingParams(), stream=True))
+    assert new_ids(sent) == reference.output_ids == outcome.output_ids
+    assert [final for _, final in sent] == [False] * reference.stats.rounds + [True]
+    final = sent[-1][0]
+    assert final["output_ids"].size == 0 and final["finish_reason"].tolist() == [[b"length"]]
+    assert final["accepted_histogram"].reshape(-1).tolist() == reference.stats.accepted_histogram
+    assert int(final["cache_hits"][0, 0]) == reference.stats.cache_hits
+    assert all(arrays["finish_reason"].size == 0 and arrays["cache_hits"].size == 0 for arrays, _ in sent[:-1])
+    for index, (arrays, _) in enumerate(sent):  # each response brings the tokens before its own
+        before = new_ids(sent[:index])
+        assert arrays["prefix_ids"].reshape(-1).tolist() == before[max(0, len(before) - PREFIX_TOKENS):]
+
+
+def test_without_streaming_one_final_response_carries_everything(pipeline):
+    prompt = pipeline.encode("café")
+    options = DecodeOptions(max_tokens=16)
+    sent, outcome = collect(pipeline, ServingRequest(prompt, options, SamplingParams(), stream=False))
+    assert len(sent) == 1 and sent[0][1] is True
+    assert new_ids(sent) == pipeline.generate(prompt, options, SamplingParams()).output_ids
+    assert sent[0][0]["prefix_ids"].size == 0
+
+
+def test_a_stop_sequence_ends_the_output_after_it(pipeline):
+    prompt = pipeline.encode("the quick")
+    options = DecodeOptions(max_tokens=24, eos_token_id=-1)
+    reference = pipeline.generate(prompt, options, SamplingParams()).output_ids
+    stop = reference[5:7]
+    expected_end = first_stop_end(reference, 0, [stop])
+    sent, outcome = collect(pipeline, ServingRequest(prompt, options, SamplingParams(), stream=True,
+                                                     stop_sequences=[stop]))
+    assert new_ids(sent) == reference[:expected_end] == outcome.output_ids
+    assert outcome.finish_reason == "stop" and sent[-1][1] is True
+
+
+def test_cancellation_stops_the_generation_and_ends_it_with_a_final_response(pipeline):
+    prompt = pipeline.encode("the quick")
+    options = DecodeOptions(mode="autoregressive", max_tokens=100, eos_token_id=-1)
+    sent, outcome = collect(pipeline, ServingRequest(prompt, options, SamplingParams(), stream=True),
+                            cancel_after=3)
+    assert outcome.finish_reason == "cancelled"
+    assert len(outcome.output_ids) == 3  # polled before every round: no round runs after the cancel
+    assert [final for _, final in sent] == [False] * 3 + [True]
+    assert sent[-1][0]["finish_reason"].tolist() == [[b"cancelled"]]
+
+
+def test_text_codec_encodes_and_decodes_like_the_pipeline(pipeline, tiny_pair):
+    codec = TextCodec(tiny_pair / "target", pipeline.target.info.bos_token_id)
+    for text in ("the quick", "café 日本", " x"):
+        assert codec.encode(text) == pipeline.encode(text)
+    ids = pipeline.encode("naïve 🌵 dog")
+    assert codec.decode(ids) == pipeline.decode(ids)
+    with pytest.raises(RequestError, match="'text_input'"):
+        codec.encode("")
+
+
+# --- the prepared model repository -----------------------------------------------------
+
+def parameters_in(config_file) -> dict[str, str]:
+    import re
+
+    return dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', config_file.read_text()))
+
+
+def test_engines_fill_the_templates_from_their_manifest(tiny_engines, tmp_path):
+    repo = prepare_model_repo(tmp_path / "repo", values_from_args(parse_args(["--engines", str(tiny_engines)])))
+    manifest = json.loads((tiny_engines / "manifest.json").read_text())
+    ssd, pre = parameters_in(repo / "ssd" / "config.pbtxt"), parameters_in(repo / "preprocessing" / "config.pbtxt")
+    assert ssd["engines_dir"] == str(tiny_engines.resolve()) and ssd["target_dir"] == ""
+    assert pre["tokenizer_dir"] == str(tiny_engines.resolve() / manifest["tokenizer"]["dir"])
+    assert pre["bos_token_id"] == str(manifest["models"]["target"]["bos_token_id"])
+    assert (repo / "ensemble" / "1").is_dir() and (repo / "ssd" / "1" / "model.py").is_file()
+    assert not any("${" in config.read_text() for config in repo.glob("*/config.pbtxt"))
+    assert all("${" in config.read_text() for config in TEMPLATES.glob("[ps]*/config.pbtxt"))  # untouched
+
+
+def test_checkpoints_fill_the_templates_too(tiny_pair, tmp_path):
+    args = parse_args(["--target", str(tiny_pair / "target"), "--draft", str(tiny_pair / "draft"),
+                       "--decoding-mode", "speculative", "--fanout", "2"])
+    ssd = parameters_in(prepare_model_repo(tmp_path / "repo", values_from_args(args)) / "ssd" / "config.pbtxt")
+    assert (ssd["engines_dir"], ssd["draft_dir"]) == ("", str((tiny_pair / "draft").resolve()))
+    assert (ssd["default_decoding_mode"], ssd["default_fanout"], ssd["default_budget"]) == ("speculative", "2", "")
+
+
+def test_knobs_beyond_the_engines_limits_are_refused(tiny_engines):
+    with pytest.raises(ValueError, match="--num-draft-tokens 99"):
+        values_from_args(parse_args(["--engines", str(tiny_engines), "--num-draft-tokens", "99"]))
+
+
+def test_an_unrelated_folder_is_never_replaced(tiny_pair, tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    args = parse_args(["--target", str(tiny_pair / "target"), "--draft", str(tiny_pair / "draft")])
+    with pytest.raises(ValueError, match="not a prepared model repository"):
+        prepare_model_repo(tmp_path, values_from_args(args))
+    assert (tmp_path / "keep.txt").read_text() == "mine"
