@@ -69,17 +69,27 @@ def forward_cost(engine, past: int, count: int, repeats: int) -> float:
 
 
 def engine_costs(pipeline, k: int, branches: int, repeats: int) -> None:
+    """Where a round's time goes, and the largest budget whose pre-speculation (one glue
+    forward + K tree steps of B branches) still fits under one verify."""
     past = 128
+    verify = forward_cost(pipeline.target, past, k + 1, repeats)
     rows = [("target decode (1 token)", forward_cost(pipeline.target, past, 1, repeats)),
-            (f"target verify ({k + 1} tokens)", forward_cost(pipeline.target, past, k + 1, repeats)),
-            ("draft decode (1 token)", forward_cost(pipeline.draft, past, 1, repeats)),
-            (f"draft tree step ({branches} branches)", forward_cost(pipeline.draft, past, branches, repeats))]
+            (f"target verify ({k + 1} tokens)", verify),
+            ("draft decode (1 token)", forward_cost(pipeline.draft, past, 1, repeats))]
+    budgets = sorted({b for b in (1, 2, 4, 8, 16, branches) if b <= max(branches, 1)})
+    prespeculation = {}
+    for b in budgets:
+        tree_step = forward_cost(pipeline.draft, past, b, repeats)
+        rows.append((f"draft tree step ({b} branches)", tree_step))
+        prespeculation[b] = rows[2][1] + k * tree_step
     print(f"engine-level cost, median ms at {past} cached tokens:")
     for name, ms in rows:
         print(f"  {name:34s} {ms:8.2f}")
-    verify, draft_step, tree_step = rows[1][1], rows[2][1], rows[3][1]
-    print(f"  one SSD round drafts {k} tree steps + glue = {draft_step + k * tree_step:.2f} ms "
-          f"of draft work against {verify:.2f} ms of verify (hidden when smaller)\n")
+    hidden = [b for b, ms in prespeculation.items() if ms <= verify]
+    print(f"  pre-speculation (glue + {k} tree steps) against a {verify:.2f} ms verify: "
+          + ", ".join(f"B={b} {ms:.2f} ms" for b, ms in prespeculation.items()))
+    print(f"  hidden under verification up to B={max(hidden)}\n" if hidden else
+          "  not hidden at any B: SSD saves drafting on hits but the target waits for the rest\n")
 
 
 def run_mode(pipeline, prompts, options, sampling):
