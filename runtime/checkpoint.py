@@ -15,7 +15,10 @@ from safetensors.torch import load_file
 
 from runtime.llama import Llama, LlamaShape
 
-SUPPORTED_ROPE_TYPES = ("default", None)
+SUPPORTED_ROPE_TYPES = ("default", None, "linear", "llama3")
+ROPE_SCALING_KEYS = {"linear": ("factor",),
+                     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                "original_max_position_embeddings")}
 
 
 class CheckpointError(ValueError):
@@ -53,7 +56,14 @@ def llama_shape(config: dict, where: str = "config") -> LlamaShape:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise CheckpointError(f"{where}: rope type {rope_type!r} is not supported (only default RoPE)")
+        raise CheckpointError(f"{where}: rope type {rope_type!r} is not supported "
+                              f"(supported: default, linear, llama3)")
+    scaling_keys = ROPE_SCALING_KEYS.get(rope_type, ())
+    missing = [key for key in scaling_keys if key not in rope]
+    if missing:
+        raise CheckpointError(f"{where}: rope type {rope_type!r} needs {', '.join(missing)}")
+    rope_scaling = tuple(sorted([("rope_type", rope_type)] + [(key, rope[key]) for key in scaling_keys])) \
+        if scaling_keys else ()
     heads = config["num_attention_heads"]
     return LlamaShape(
         vocab_size=config["vocab_size"],
@@ -67,6 +77,7 @@ def llama_shape(config: dict, where: str = "config") -> LlamaShape:
         rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
         max_position_embeddings=config["max_position_embeddings"],
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        rope_scaling=rope_scaling,
     )
 
 

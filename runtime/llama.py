@@ -11,6 +11,7 @@ Parameter names match Hugging Face's, so a checkpoint's state dict loads unchang
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +34,11 @@ class LlamaShape:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
+    # Hugging Face `rope_parameters` beyond the base: rope_type "linear" or "llama3" and
+    # their numbers, as sorted (key, value) pairs (hashable); empty for plain RoPE.
     max_position_embeddings: int
     tie_word_embeddings: bool
+    rope_scaling: tuple = ()
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -128,9 +132,34 @@ class LlamaBody(nn.Module):
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inverse_frequencies(shape: LlamaShape) -> torch.Tensor:
+    """RoPE frequencies, with Hugging Face's "linear" or "llama3" scaling when configured."""
+    dim = shape.head_dim
+    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling = dict(shape.rope_scaling)
+    kind = scaling.get("rope_type")
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return llama3_frequencies(inv_freq, scaling)
+    return inv_freq
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3's rule: long wavelengths slowed by `factor`, short ones kept, a smooth
+    blend between (wavelengths measured against the original context)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    blend = (original / wavelength - low) / (high - low)
+    smoothed = (1 - blend) * scaled / factor + blend * scaled
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary tables for `positions` `[batch, n]` -> two `[batch, 1, n, head_dim]` tensors."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
     return angles.cos(), angles.sin()
@@ -159,6 +188,7 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.inv_freq = rope_inverse_frequencies(shape)  # a constant, not a parameter
 
     def _project_qkv(self, layer: DecoderLayer, h: torch.Tensor, cos, sin):
         batch, n, _ = h.shape
@@ -182,7 +212,7 @@ class Llama(nn.Module):
         """Export form. `past_*` `[layers, batch, kv_heads, past, head_dim]`;
         `attention_mask` `[batch, n, past + n]` bool. Returns logits and present K/V."""
         h = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(position_ids, self.shape.head_dim, self.shape.rope_theta)
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq)
         present_keys, present_values = [], []
         for i, layer in enumerate(self.model.layers):
             q, k, v = self._project_qkv(layer, h, cos, sin)
@@ -202,7 +232,7 @@ class Llama(nn.Module):
         if start + n > cache.capacity:
             raise ValueError(f"KV cache overflow: {start} + {n} entries > capacity {cache.capacity}")
         h = self.model.embed_tokens(tokens.unsqueeze(0))
-        cos, sin = rope_cos_sin(positions.unsqueeze(0), self.shape.head_dim, self.shape.rope_theta)
+        cos, sin = rope_cos_sin(positions.unsqueeze(0), self.inv_freq)
         for i, layer in enumerate(self.model.layers):
             q, k, v = self._project_qkv(layer, h, cos, sin)
             cache.keys[i, :, start:start + n] = k[0]

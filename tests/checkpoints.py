@@ -31,17 +31,18 @@ def word_tokenizer(vocab_size: int, prefix: str = "w") -> PreTrainedTokenizerFas
 
 def make_checkpoint(folder: Path, vocab_size: int = 8, hidden: int = 32, layers: int = 1,
                     heads: int = 4, kv_heads: int = 2, max_positions: int = 64, seed: int = 0,
-                    logit_scale: float = 1.0, word_prefix: str = "w") -> Path:
+                    logit_scale: float = 1.0, word_prefix: str = "w", max_shard_size: str = "5GB",
+                    **config_overrides) -> Path:
     """A random Llama; `logit_scale` sharpens (> 1) or flattens its next-token distributions."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    config = LlamaConfig(**{**dict(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=3), **config_overrides})
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
     word_tokenizer(vocab_size, word_prefix).save_pretrained(folder)
     return Path(folder)
 
