@@ -42,6 +42,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=4, help="how many of the built-in prompts")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--saguaro", type=float, metavar="C", help="also run ssd with Saguaro sampling factor C")
     parser.add_argument("--repeats", type=int, default=20, help="forwards per engine-level timing")
     return parser.parse_args(argv)
 
@@ -120,6 +121,10 @@ def main(argv=None) -> int:
              (f"speculative K={k}", DecodeOptions(mode="speculative", num_draft_tokens=k, max_tokens=args.max_tokens)),
              (f"ssd K={k} B={branches}", DecodeOptions(mode="ssd", num_draft_tokens=k, max_tokens=args.max_tokens,
                                                      **branch_options))]
+    if args.saguaro is not None:
+        modes.append((f"ssd saguaro C={args.saguaro}", DecodeOptions(
+            mode="ssd", num_draft_tokens=k, max_tokens=args.max_tokens, saguaro_factor=args.saguaro,
+            **branch_options)))
     print(f"{'mode':22s} {'tok/s':>7s} {'vs AR':>6s} {'acc/rnd':>7s} {'hit%':>5s} "
           f"{'verify s':>8s} {'draft s':>8s} {'wait s':>7s}")
     baseline = None
