@@ -36,13 +36,20 @@ class Generation:
     stats: GenerationStats
 
 
+@dataclass
+class Elapsed:
+    seconds: float = 0.0
+
+
 @contextmanager
 def timed(stats: GenerationStats, field: str):
-    started = time.perf_counter()
+    """Time a block, add it to `stats.<field>`, and hand the block's own time back."""
+    elapsed, started = Elapsed(), time.perf_counter()
     try:
-        yield
+        yield elapsed
     finally:
-        setattr(stats, field, getattr(stats, field) + time.perf_counter() - started)
+        elapsed.seconds = time.perf_counter() - started
+        setattr(stats, field, getattr(stats, field) + elapsed.seconds)
 
 
 class Output:
@@ -75,7 +82,7 @@ class Output:
 def speculative_decode(target, draft, prompt_ids, options: DecodeOptions, sampling: SamplingParams,
                        eos_token_id=None, on_tokens: OnTokens | None = None,
                        cancelled: Cancelled = lambda: False) -> Generation:
-    k, policy = options.draft_tokens, options.fanout_policy()
+    k, policy = options.draft_tokens, options.fanout_policy(draft.info.max_branches)
     stats = GenerationStats(options.mode, k)
     started = time.perf_counter()
     with timed(stats, "prefill_s"):
@@ -85,8 +92,10 @@ def speculative_decode(target, draft, prompt_ids, options: DecodeOptions, sampli
     out = Output(prompt_ids, options, eos_token_id, target.info.max_context, on_tokens)
 
     def prespeculate(ids, proposal, fanout):
-        with timed(stats, "prespeculate_s"):
-            return speculator.prespeculate(ids, proposal, fanout)
+        with timed(stats, "prespeculate_s") as elapsed:
+            speculation = speculator.prespeculate(ids, proposal, fanout)
+        speculation.seconds = elapsed.seconds
+        return speculation
 
     with ThreadPoolExecutor(1, thread_name_prefix="draft") as worker:
         with timed(stats, "draft_s"):
@@ -95,7 +104,7 @@ def speculative_decode(target, draft, prompt_ids, options: DecodeOptions, sampli
             ids = tuple(out.ids)
             pending = (worker.submit(prespeculate, ids, proposal, policy.fanout())
                        if options.prespeculating else None)
-            with timed(stats, "verify_s"):
+            with timed(stats, "verify_s") as verifying:
                 outcome = verifier.verify(ids, proposal, min(k, out.room - 1))
             with timed(stats, "wait_s"):
                 speculation = pending.result() if pending else None
@@ -108,6 +117,7 @@ def speculative_decode(target, draft, prompt_ids, options: DecodeOptions, sampli
                 stats.branches_drafted += len(speculation.drafts)
                 policy.observe(outcome.accepted, bonus_rank(speculation.scores, proposal.tokens,
                                                             outcome.accepted, outcome.bonus))
+                policy.observe_timing(verifying.seconds, speculation.seconds)
             if hit is not None:
                 stats.cache_hits += 1
                 proposal = worker.submit(speculator.adopt, tuple(out.ids), speculation, hit).result()

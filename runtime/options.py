@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.budget import OnlineBudget, StaticFanout
+from runtime.budget import AdaptiveBudget, OnlineBudget, StaticFanout
 from runtime.sampling import SaguaroSampling, SamplingParams
 
 MODES = ("autoregressive", "speculative", "ssd")
 DEFAULT_FANOUT = (3,)  # the official code's static default: 3 candidates at every depth
+AUTO_BUDGET_CAP = 16   # budget "auto": B adapts within [1, 16] (or the engines' built maximum)
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,8 @@ class DecodeOptions:
     mode: str = "ssd"
     num_draft_tokens: int = 4
     fanout: tuple[int, ...] = DEFAULT_FANOUT  # F_j: one value for every depth, or K+1 values
-    budget: int | None = None                 # instead of fanout: B branches placed online
+    budget: int | str | None = None           # instead of fanout: B branches placed online;
+                                              # "auto": B chosen from measured time as well
     saguaro_factor: float | None = None       # Saguaro sampling (temperature > 0) when set
     prespeculate: bool = True                 # ssd only; off reduces ssd to speculative
     max_tokens: int = 64
@@ -30,8 +32,8 @@ class DecodeOptions:
             raise ValueError(f"fanout must be integers >= 0, got {self.fanout!r}")
         if len(self.fanout) not in (1, self.num_draft_tokens + 1):
             raise ValueError(f"fanout needs 1 or K+1 = {self.num_draft_tokens + 1} values, got {list(self.fanout)}")
-        if self.budget is not None and not (isinstance(self.budget, int) and self.budget >= 1):
-            raise ValueError(f"budget must be an integer >= 1, got {self.budget!r}")
+        if self.budget not in (None, "auto") and not (isinstance(self.budget, int) and self.budget >= 1):
+            raise ValueError(f"budget must be an integer >= 1 or 'auto', got {self.budget!r}")
         if self.saguaro_factor is not None:
             SaguaroSampling(top=1, factor=self.saguaro_factor)  # validates the factor
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
@@ -46,7 +48,10 @@ class DecodeOptions:
     def prespeculating(self) -> bool:
         return self.mode == "ssd" and self.prespeculate and self.num_draft_tokens > 0
 
-    def fanout_policy(self) -> StaticFanout | OnlineBudget:
+    def fanout_policy(self, max_branches: int | None = None) -> StaticFanout | OnlineBudget:
+        """The branch policy; `max_branches` caps an "auto" budget (the engines' limit)."""
+        if self.budget == "auto":
+            return AdaptiveBudget(min(AUTO_BUDGET_CAP, max_branches or AUTO_BUDGET_CAP), self.num_draft_tokens)
         if self.budget is not None:
             return OnlineBudget(self.budget, self.num_draft_tokens)
         return StaticFanout(list(self.fanout), self.num_draft_tokens)
@@ -56,5 +61,8 @@ class DecodeOptions:
         the draft's own pick); greedy decoding has nothing to rescale."""
         if self.saguaro_factor is None or sampling.greedy:
             return None
-        widest = self.budget if self.budget is not None else max(self.fanout)
+        if self.budget is None:
+            widest = max(self.fanout)
+        else:
+            widest = AUTO_BUDGET_CAP if self.budget == "auto" else self.budget
         return SaguaroSampling(top=widest + 1, factor=self.saguaro_factor)

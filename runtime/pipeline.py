@@ -82,9 +82,10 @@ class Pipeline:
             raise RequestError(f"num_draft_tokens {options.draft_tokens} exceeds the engines' built "
                                f"maximum {limit}")
         branches = self.draft.info.max_branches
-        if branches is not None and options.prespeculating and options.fanout_policy().max_branches > branches:
-            raise RequestError(f"{options.fanout_policy().max_branches} branches exceed the engines' "
-                               f"built maximum {branches} (lower --fanout or --budget)")
+        wanted = options.fanout_policy(branches).max_branches
+        if branches is not None and options.prespeculating and wanted > branches:
+            raise RequestError(f"{wanted} branches exceed the engines' built maximum {branches} "
+                               f"(lower --fanout or --budget)")
 
     def generate(self, prompt_ids: list[int], options: DecodeOptions, sampling: SamplingParams,
                  on_tokens: OnTokens | None = None, cancelled: Cancelled = lambda: False) -> Generation:

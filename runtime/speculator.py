@@ -37,6 +37,7 @@ class SpeculationCache:
     drafts: list[Draft]
     scores: torch.Tensor
     context_length: int
+    seconds: float = 0.0  # how long pre-speculating it took
 
     def lookup(self, accepted: int, bonus: int) -> int | None:
         return self.keys.get((accepted, bonus))

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from runtime.options import DecodeOptions  # noqa: E402
+from scripts.generate import parse_budget  # noqa: E402
 from runtime.pipeline import Pipeline  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
 
@@ -38,7 +39,7 @@ def parse_args(argv=None):
     parser.add_argument("--engines", type=Path)
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=4)
     parser.add_argument("--fanout", type=lambda s: tuple(int(x) for x in s.split(",")), default=(3,))
-    parser.add_argument("--budget", type=int)
+    parser.add_argument("--budget", type=parse_budget, help="B, or 'auto'")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=4, help="how many of the built-in prompts")
     parser.add_argument("--temperature", type=float, default=0.0)

@@ -29,6 +29,15 @@ def parse_fanout(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"--fanout takes integers like 3 or 3,3,2,1,1; got {text!r}")
 
 
+def parse_budget(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--budget takes an integer or 'auto'; got {text!r}")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_argument_group("models (checkpoints, or a built engine folder)")
@@ -40,7 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     branching = parser.add_mutually_exclusive_group()
     branching.add_argument("--fanout", type=parse_fanout, default=(3,),
                            help="branches per depth: one value or K+1 values (default 3)")
-    branching.add_argument("--budget", type=int, help="B branches placed online where hits are likeliest")
+    branching.add_argument("--budget", type=parse_budget,
+                           help="B branches placed online where hits are likeliest; 'auto' also "
+                                "chooses B so pre-speculation stays hidden under verification")
     parser.add_argument("--saguaro", type=float, metavar="C", help="Saguaro sampling factor in (0, 1]")
     parser.add_argument("--no-prespeculate", action="store_true", help="ssd without pre-speculation")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)

@@ -25,6 +25,7 @@ def option_sets(k: int) -> list[DecodeOptions]:
         DecodeOptions(mode="ssd", fanout=(3,), **common),
         DecodeOptions(mode="ssd", fanout=tuple(range(k + 1, 0, -1)), **common),
         DecodeOptions(mode="ssd", budget=5, **common),
+        DecodeOptions(mode="ssd", budget="auto", **common),
     ]
 
 

@@ -70,6 +70,8 @@ def test_cancellation_and_streaming_callback(pipeline):
     (lambda: DecodeOptions(max_tokens=0), "max_tokens"),
     (lambda: DecodeOptions(num_draft_tokens=2, fanout=(1, 2)), "fanout"),
     (lambda: DecodeOptions(saguaro_factor=1.5), "saguaro"),
+    (lambda: DecodeOptions(budget="many"), "budget"),
+    (lambda: DecodeOptions(budget=0), "budget"),
     (lambda: SamplingParams(temperature=-0.1), "temperature"),
     (lambda: SamplingParams(top_p=0.0), "top_p"),
     (lambda: SamplingParams(top_p=1.2), "top_p"),
