@@ -19,7 +19,7 @@ import torch
 from plugins.probs import logits_to_probs, sample_from
 from runtime.budget import bonus_rank
 from runtime.options import DecodeOptions
-from runtime.sampling import SamplingParams, seeded_generator
+from runtime.sampling import BONUS_STREAM, SamplingParams, keyed_uniforms
 from runtime.speculator import Speculator
 from runtime.stats import GenerationStats
 from runtime.verifier import Verifier
@@ -134,13 +134,12 @@ def autoregressive_decode(target, prompt_ids, options: DecodeOptions, sampling: 
     """One target forward per token: the baseline every other mode must reproduce."""
     stats = GenerationStats("autoregressive", 0)
     started = time.perf_counter()
-    generator = seeded_generator(sampling.seed)
     cache = target.new_cache(target.info.max_context)
     out = Output(prompt_ids, options, eos_token_id, target.info.max_context, on_tokens)
     with timed(stats, "prefill_s"):
         logits = target.forward(cache, torch.tensor(prompt_ids), torch.arange(len(prompt_ids)))[-1]
     while not cancelled():
-        uniform = torch.rand(1, generator=generator)
+        uniform = keyed_uniforms(sampling.seed, BONUS_STREAM, [len(out.ids)])
         token = int(torch.argmax(logits) if sampling.greedy else sample_from(
             logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p), uniform[0]))
         stats.record_round(0)

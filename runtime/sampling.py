@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from plugins.probs import logits_to_probs, saguaro_rescale, sample_from
@@ -52,28 +53,35 @@ def draft_distribution(logits: torch.Tensor, params: SamplingParams,
 
 
 def pick_tokens(logits: torch.Tensor, params: SamplingParams, saguaro: SaguaroSampling | None,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Draft tokens for rows of logits: argmax when greedy, else sampled from q (returned)."""
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft tokens for rows of logits, each to sit at `positions`: argmax when greedy, else
+    sampled from q (returned) with the draft's keyed uniform for that position."""
     if params.greedy:
         return torch.argmax(logits, dim=-1), None
     q = draft_distribution(logits, params, saguaro)
-    uniforms = torch.rand(q.shape[:-1], generator=generator)
-    return sample_from(q, uniforms), q
+    return sample_from(q, keyed_uniforms(params.seed, DRAFT_STREAM, positions)), q
 
 
-# Odd 64-bit constant: the draft's stream for seed s is never the target's for any small seed.
-DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15
+# Counter-based randomness: the uniform a sampling decision uses is a pure function of
+# (request seed, purpose, absolute position). A draft token for position i is therefore
+# the same whether it was pre-speculated in a branch or drafted after a miss, so SSD gives
+# exactly speculative decoding's output for a seed, whatever the branch budget or thread
+# timing. Each position's acceptance test and each round's bonus draw happen once; a draft
+# uniform is reused only for positions whose earlier drafts never reached verification.
+DRAFT_STREAM, ACCEPT_STREAM, BONUS_STREAM = 1, 2, 3
+_MASK64 = (1 << 64) - 1
 
 
-def seeded_generator(seed: int) -> torch.Generator:
-    """The target's random stream for a request seed."""
-    generator = torch.Generator()
-    generator.manual_seed(seed)
-    return generator
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
-def draft_generator(seed: int) -> torch.Generator:
-    """The draft's own stream. It runs on its own thread, so sharing the target's stream
-    would make seeded runs depend on thread timing; offsetting the seed keeps the two
-    streams apart, also across requests with neighbouring seeds."""
-    return seeded_generator((seed + DRAFT_SEED_OFFSET) % 2**63)
+def keyed_uniforms(seed: int, stream: int, positions) -> torch.Tensor:
+    """Uniforms in [0, 1), one per position, exact in float32 (24 random bits each)."""
+    key = _splitmix64(np.array([(seed * 0xD1B54A32D192ED03 + stream) & _MASK64], dtype=np.uint64))
+    counters = np.asarray(positions, dtype=np.int64).astype(np.uint64)
+    bits = _splitmix64(key ^ (counters * np.uint64(0x9E3779B97F4A7C15)))
+    return torch.from_numpy((bits >> np.uint64(40)).astype(np.float32) / np.float32(1 << 24))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from plugins.branch_draft.reference import commit_indices, step_mask
-from runtime.sampling import SaguaroSampling, SamplingParams, pick_tokens, draft_generator
+from runtime.sampling import SaguaroSampling, SamplingParams, pick_tokens
 
 
 @dataclass
@@ -48,7 +48,6 @@ class Speculator:
                  saguaro: SaguaroSampling | None, capacity: int):
         self.engine, self.k = engine, num_draft_tokens
         self.sampling, self.saguaro = sampling, saguaro
-        self.generator = draft_generator(sampling.seed)
         self.cache = engine.new_cache(capacity)
         self.cached: list[int] = []
 
@@ -79,7 +78,7 @@ class Speculator:
         logits = self._sync(ids)
         tokens, probs, rows = [], [], []
         for step in range(self.k):
-            token, q = pick_tokens(logits, self.sampling, self.saguaro, self.generator)
+            token, q = pick_tokens(logits, self.sampling, self.saguaro, torch.tensor(len(ids) + step))
             tokens.append(int(token))
             probs.append(q)
             rows.append(logits)
@@ -100,7 +99,7 @@ class Speculator:
         for step in range(self.k):
             mask = step_mask(plan.window_mask, context_length, step, branches, self.k)
             logits = self.engine.forward(self.cache, fed[-1], plan.positions[step], mask)
-            tokens, q = pick_tokens(logits, self.sampling, self.saguaro, self.generator)
+            tokens, q = pick_tokens(logits, self.sampling, self.saguaro, plan.positions[step] + 1)
             fed.append(tokens)
             step_logits.append(logits)
             step_probs.append(q)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.sampling import SamplingParams, seeded_generator
+from runtime.sampling import ACCEPT_STREAM, BONUS_STREAM, SamplingParams, keyed_uniforms
 from runtime.speculator import Draft
 
 
@@ -23,7 +23,6 @@ class VerifyResult:
 class Verifier:
     def __init__(self, engine, prompt_ids: list[int], sampling: SamplingParams):
         self.engine, self.sampling = engine, sampling
-        self.generator = seeded_generator(sampling.seed)
         self.cache = engine.new_cache(engine.info.max_context)
         if len(prompt_ids) > 1:
             engine.forward(self.cache, torch.tensor(prompt_ids[:-1]), torch.arange(len(prompt_ids) - 1))
@@ -34,7 +33,9 @@ class Verifier:
         drafts = draft.tokens[:num_tokens]
         tokens = torch.cat((torch.tensor([ids[-1]]), drafts))
         positions = torch.arange(start, start + num_tokens + 1)
-        uniforms = torch.rand(num_tokens + 1, generator=self.generator)
+        first_new = len(ids)  # the position of the first token this round commits
+        uniforms = torch.cat((keyed_uniforms(self.sampling.seed, ACCEPT_STREAM, positions[1:]),
+                              keyed_uniforms(self.sampling.seed, BONUS_STREAM, [first_new])))
         probs = None if draft.probs is None else draft.probs[:num_tokens]
         accepted, bonus = self.engine.verify(self.cache, tokens, positions, drafts, probs,
                                              uniforms, self.sampling)

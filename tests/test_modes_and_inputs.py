@@ -38,6 +38,23 @@ def test_ssd_without_prespeculation_is_speculative_decoding(pipeline):
         assert ssd_off.stats.cache_hits == ssd_off.stats.cache_misses == 0
 
 
+@pytest.mark.parametrize("branching", [dict(fanout=(2,)), dict(budget="auto"), dict(fanout=(3,), saguaro_factor=0.5)])
+def test_ssd_samples_exactly_what_speculative_decoding_samples(tiny_pair, branching):
+    """Randomness is keyed by position, so a hit branch holds the very draft a miss would
+    have drafted: pre-speculation changes the speed, never the sampled text."""
+    tiny = Pipeline.load(tiny_pair / "target", tiny_pair / "draft")
+    prompt, sampling = tiny.encode("The with statement"), SamplingParams(temperature=0.7, seed=5)
+
+    def run_tiny(mode):
+        return tiny.generate(prompt, DecodeOptions(mode=mode, num_draft_tokens=3, max_tokens=64, eos_token_id=-1,
+                                                   **branching), sampling)
+
+    sd, ssd = run_tiny("speculative"), run_tiny("ssd")
+    assert ssd.output_ids == sd.output_ids
+    assert ssd.stats.accepted_histogram == sd.stats.accepted_histogram
+    assert ssd.stats.cache_hits > 0
+
+
 def test_k_zero_is_autoregressive_decoding(pipeline):
     for sampling in (SamplingParams(), SAMPLED):
         ar = run(pipeline, sampling, mode="autoregressive")
