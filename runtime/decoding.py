@@ -91,9 +91,10 @@ def speculative_decode(target, draft, prompt_ids, options: DecodeOptions, sampli
     speculator = Speculator(draft, k, sampling, options.saguaro(sampling), capacity)
     out = Output(prompt_ids, options, eos_token_id, target.info.max_context, on_tokens)
 
-    def prespeculate(ids, proposal, fanout):
+    def prespeculate(ids, proposal):
+        """Runs in the worker, so even choosing the fan-out stays off the critical path."""
         with timed(stats, "prespeculate_s") as elapsed:
-            speculation = speculator.prespeculate(ids, proposal, fanout)
+            speculation = speculator.prespeculate(ids, proposal, policy.fanout())
         speculation.seconds = elapsed.seconds
         return speculation
 
@@ -102,8 +103,7 @@ def speculative_decode(target, draft, prompt_ids, options: DecodeOptions, sampli
             proposal = worker.submit(speculator.draft, tuple(out.ids)).result()
         while out.finish_reason is None and not cancelled():
             ids = tuple(out.ids)
-            pending = (worker.submit(prespeculate, ids, proposal, policy.fanout())
-                       if options.prespeculating else None)
+            pending = worker.submit(prespeculate, ids, proposal) if options.prespeculating else None
             with timed(stats, "verify_s") as verifying:
                 outcome = verifier.verify(ids, proposal, min(k, out.room - 1))
             with timed(stats, "wait_s"):
