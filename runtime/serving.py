@@ -10,6 +10,7 @@ knobs), so an error names what the client actually sent.
 from __future__ import annotations
 
 import csv
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -23,6 +24,12 @@ from runtime.sampling import SamplingParams
 
 GetInput = Callable[[str], "np.ndarray | None"]  # None when the request lacks the input
 Send = Callable[[dict, bool], None]  # (response arrays, whether this is the final response)
+
+
+def model_parameters(args: dict) -> dict[str, str]:
+    """A Triton model's `config.pbtxt` parameters, from the `args` given to `initialize`."""
+    config = json.loads(args["model_config"])
+    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
 
 
 @dataclass(frozen=True)

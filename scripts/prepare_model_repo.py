@@ -88,7 +88,7 @@ def template_values(source: ModelSource, options: DecodeOptions, max_concurrency
 
     return {"engines_dir": text(source.engines_dir), "target_dir": text(source.target_dir),
             "draft_dir": text(source.draft_dir), "tokenizer_dir": str(source.tokenizer_dir),
-            "bos_token_id": text(source.bos_token_id), "repo_root": str(REPO_ROOT),
+            "bos_token_id": text(source.bos_token_id),
             "default_decoding_mode": options.mode,
             "default_num_draft_tokens": str(options.num_draft_tokens),
             "default_fanout": ",".join(map(str, options.fanout)), "default_budget": text(options.budget),

@@ -23,12 +23,10 @@ the decorated functions as classes.
 from typing import Tuple
 
 from plugins.branch_draft import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
-from plugins.fused_verify.tensorrt_plugin import check_plugin_version, import_tensorrt
+from plugins.fused_verify.tensorrt_plugin import registration
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PLUGIN_NAME}"
 NUM_PLUGIN_OUTPUTS = 8
-
-_registered = False
 
 # dtype -> array-interface type string, for views of TensorRT-allocated output buffers
 _TYPESTR = {"int64": "<i8", "int32": "<i4", "bool": "|b1"}
@@ -49,13 +47,7 @@ class DeviceBuffer:
 
 def register() -> None:
     """Register `saguaro::BranchDraft` with TensorRT (once per process)."""
-    global _registered
-    if _registered:
-        return
-    trt, trtp = import_tensorrt()
-    check_plugin_version(PLUGIN_VERSION)
-    _define_plugin(trt, trtp)
-    _registered = True
+    _register()
 
 
 def _define_plugin(trt, trtp) -> None:
@@ -103,3 +95,6 @@ def _define_plugin(trt, trtp) -> None:
             sizes = (branches, drafts * branches, drafts + drafts * branches)
             for out, size in zip(outputs[5:], sizes):
                 torch.as_tensor(DeviceBuffer(out.data_ptr, (), "int32"), device="cuda").fill_(size)
+
+
+_register = registration(_define_plugin, PLUGIN_VERSION)

@@ -21,8 +21,6 @@ TENSORRT_INSTALL_HINT = "pip install --extra-index-url https://pypi.nvidia.com t
 # `tensorrt.plugin` registers every plugin creator under this version.
 QUICKLY_DEPLOYABLE_PLUGIN_VERSION = "1"
 
-_registered = False
-
 
 def import_tensorrt():
     """`(tensorrt, tensorrt.plugin)`, or an ImportError that says how to get them."""
@@ -44,15 +42,24 @@ def check_plugin_version(plugin_version: str) -> None:
             f"tensorrt.plugin registers every plugin as version {QUICKLY_DEPLOYABLE_PLUGIN_VERSION!r}")
 
 
+def registration(define_plugin, plugin_version: str):
+    """A plugin's `register()`: import TensorRT, check the version, define it once per process."""
+    done = False
+
+    def register() -> None:
+        nonlocal done
+        if not done:
+            trt, trtp = import_tensorrt()
+            check_plugin_version(plugin_version)
+            define_plugin(trt, trtp)
+            done = True
+
+    return register
+
+
 def register() -> None:
     """Register `saguaro::FusedVerify` with TensorRT (once per process)."""
-    global _registered
-    if _registered:
-        return
-    trt, trtp = import_tensorrt()
-    check_plugin_version(PLUGIN_VERSION)
-    _define_plugin(trt, trtp)
-    _registered = True
+    _register()
 
 
 def _define_plugin(trt, trtp) -> None:
@@ -84,3 +91,6 @@ def _define_plugin(trt, trtp) -> None:
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
             tensors = [torch.as_tensor(t, device="cuda") for t in (*inputs, *outputs)]
             launch(*tensors)
+
+
+_register = registration(_define_plugin, PLUGIN_VERSION)

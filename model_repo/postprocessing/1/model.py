@@ -8,23 +8,11 @@ ensemble steps it schedules after the cancel, not the SSD step in flight. So a c
 request here is relayed to the SSD model (a BLS request with the generation's id), which
 stops that generation at its next round (and ends it with a normal final response).
 """
-import json
-import sys
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-
-def parameters_of(args) -> dict:
-    config = json.loads(args["model_config"])
-    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
-
-
-def put_repo_on_path(parameters: dict) -> None:
-    """The stub's sys.path lacks the project (this file runs from a copied repository)."""
-    root = parameters.get("repo_root")
-    if root and root not in sys.path:
-        sys.path.insert(0, root)
+from runtime.serving import model_parameters
 
 
 def ids_of(request, name: str) -> list[int]:
@@ -33,8 +21,7 @@ def ids_of(request, name: str) -> list[int]:
 
 class TritonPythonModel:
     def initialize(self, args):
-        parameters = parameters_of(args)
-        put_repo_on_path(parameters)
+        parameters = model_parameters(args)
         from runtime.detokenizer import text_delta
         from runtime.serving import TextCodec
 

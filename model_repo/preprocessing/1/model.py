@@ -3,23 +3,11 @@
 Encodes exactly as the runtime does (`runtime.serving.TextCodec`), so the ids the SSD
 model receives are the ones `Pipeline.encode` would give for the same text.
 """
-import json
-import sys
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-
-def parameters_of(args) -> dict:
-    config = json.loads(args["model_config"])
-    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
-
-
-def put_repo_on_path(parameters: dict) -> None:
-    """The stub's sys.path lacks the project (this file runs from a copied repository)."""
-    root = parameters.get("repo_root")
-    if root and root not in sys.path:
-        sys.path.insert(0, root)
+from runtime.serving import model_parameters
 
 
 def strings_of(request, name: str) -> list[str]:
@@ -32,8 +20,7 @@ def strings_of(request, name: str) -> list[str]:
 
 class TritonPythonModel:
     def initialize(self, args):
-        parameters = parameters_of(args)
-        put_repo_on_path(parameters)
+        parameters = model_parameters(args)
         from runtime import serving
 
         self.serving = serving

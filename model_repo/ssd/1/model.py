@@ -12,9 +12,7 @@ looks cancelled. Each response therefore carries its generation's id; the postpr
 step, which Triton does cancel, sends that id back here (`cancel_generation_id`, a BLS
 request) and the generation stops at its next round.
 """
-import json
 import secrets
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,24 +21,14 @@ import numpy as np
 
 import triton_python_backend_utils as pb_utils
 
+from runtime.serving import model_parameters
+
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Tokens per second of one request; a tiny model on CPU reaches the thousands.
 TOKENS_PER_S_BUCKETS = [1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000]
 # Asking Triton whether a request is cancelled is a round trip to the server process;
 # a few times a second is prompt enough, and rounds can be much faster than that.
 CANCEL_POLL_S = 0.05
-
-
-def parameters_of(args) -> dict:
-    config = json.loads(args["model_config"])
-    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
-
-
-def put_repo_on_path(parameters: dict) -> None:
-    """The stub's sys.path lacks the project (this file runs from a copied repository)."""
-    root = parameters.get("repo_root")
-    if root and root not in sys.path:
-        sys.path.insert(0, root)
 
 
 def load_pipeline(parameters: dict):
@@ -171,8 +159,7 @@ class Generations:
 
 class TritonPythonModel:
     def initialize(self, args):
-        parameters = parameters_of(args)
-        put_repo_on_path(parameters)
+        parameters = model_parameters(args)
         from runtime import serving
 
         self.serving = serving
