@@ -13,7 +13,7 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder with the tiny model pair (`target/`, `draft/`, `pair.json`), made once
     per test session (about half a minute)."""
     # Imported here so collecting tests that never use the pair stays fast.
-    from build.model_pair import make_pair
+    from saguaro.modelmaker.model_pair import make_pair
 
     out_dir = tmp_path_factory.mktemp("models")
     make_pair("tiny", out_dir, progress=False)

@@ -1,27 +1,23 @@
 """Build configuration: shipped configs, validation errors that name the problem, CLI
 overrides, and the builder's up-front checks (all raised before any export starts)."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from build.builder import build_engines
-from build.config import BuildConfig, ConfigError, config_from_dict, merge_overrides, resolve_config
 from checkpoints import make_checkpoint
-from runtime.checkpoint import CheckpointError
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import build_engines as build_engines_cli  # noqa: E402
+from saguaro.compiler import cli as build_engines_cli
+from saguaro.compiler.builder import build_engines
+from saguaro.compiler.config import BuildConfig, ConfigError, config_from_dict, merge_overrides, resolve_config
+from saguaro.runtime.checkpoint import CheckpointError
 
 VALID = {"name": "t", "target": "a", "draft": "b"}
 
 
 @pytest.mark.parametrize("name, precision", [("tiny", "fp32"), ("bench", "int8")])
 def test_shipped_configs_validate(name, precision):
-    config = resolve_config(REPO / "build" / "configs" / f"{name}.yaml")
+    config = resolve_config(name)
     assert (config.name, config.backend, config.precision) == (name, "onnxruntime", precision)
     assert config.target == Path(f"models/{name}/target") and config.draft == Path(f"models/{name}/draft")
     assert (config.max_draft_tokens, config.max_branches, config.session.threads) == (8, 16, 1)

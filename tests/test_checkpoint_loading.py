@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from checkpoints import make_checkpoint
-from runtime.engine import TorchEngine
+from saguaro.runtime.engines.torch_engine import TorchEngine
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}

@@ -9,15 +9,15 @@ import onnx
 import pytest
 import torch
 
-from build.builder import build_engines
-from build.config import BuildConfig
-from plugins.branch_draft.reference import commit_indices, plan_branches, step_mask
-from plugins.fused_verify.reference import fused_verify
-from runtime.engine import TorchEngine
-from runtime.engines import load_engine_pair
-from runtime.options import DecodeOptions
-from runtime.pipeline import Pipeline
-from runtime.sampling import SamplingParams
+from saguaro.compiler.builder import build_engines
+from saguaro.compiler.config import BuildConfig
+from saguaro.plugins.branch_draft.reference import commit_indices, plan_branches, step_mask
+from saguaro.plugins.fused_verify.reference import fused_verify
+from saguaro.runtime.engines.torch_engine import TorchEngine
+from saguaro.runtime.engines import load_engine_pair
+from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.pipeline import Pipeline
+from saguaro.runtime.sampling import SamplingParams
 
 ATOL = 1e-4
 K = 4
@@ -217,7 +217,7 @@ def test_quantised_builds_load_and_run(tiny_pair, tmp_path, precision, quantised
 
 def test_stripped_tensorrt_graphs_pass_the_checker_and_name_their_plugins(fp32_engines):
     """What TensorRT's parser gets: plugin nodes with their attributes, no function bodies."""
-    from build.tensorrt_builder import strip_plugin_functions
+    from saguaro.compiler.tensorrt_builder import strip_plugin_functions
 
     expected = {"target/verify.onnx": {"FusedVerify"}, "draft/branch_draft.onnx": {"BranchDraft"},
                 "draft/kv_gather.onnx": {"GatherKV"}}
@@ -257,7 +257,7 @@ def test_forward_graph_has_dynamic_batch(fp32_engines, tiny_pair):
     """The exported forward runs any batch, query length and past length (max_batch > 1 builds)."""
     import onnxruntime as ort
 
-    from runtime.checkpoint import load_checkpoint
+    from saguaro.runtime.checkpoint import load_checkpoint
 
     model = load_checkpoint(tiny_pair / "target").model
     session = ort.InferenceSession(str(fp32_engines / "target" / "forward.onnx"), providers=["CPUExecutionProvider"])

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from checkpoints import make_checkpoint
-from runtime.options import DecodeOptions
-from runtime.pipeline import Pipeline
-from runtime.sampling import SamplingParams
-from plugins.probs import logits_to_probs
+from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.pipeline import Pipeline
+from saguaro.runtime.sampling import SamplingParams
+from saguaro.plugins.probs import logits_to_probs
 
 PROMPT = [1, 4, 5]
 SAMPLES = 1200

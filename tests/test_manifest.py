@@ -4,12 +4,12 @@ import shutil
 
 import pytest
 
-from build.builder import build_engines
-from build.config import BuildConfig
-from build.manifest import (MANIFEST_FILE, PLUGINS, ManifestError, read_manifest, validate_engine_dir,
+from saguaro.compiler.builder import build_engines
+from saguaro.compiler.config import BuildConfig
+from saguaro.runtime.engines.manifest import (MANIFEST_FILE, PLUGINS, ManifestError, read_manifest, validate_engine_dir,
                             write_manifest)
 from checkpoints import make_checkpoint
-from runtime.engines import load_engine_pair
+from saguaro.runtime.engines import load_engine_pair
 
 
 @pytest.fixture(scope="module")

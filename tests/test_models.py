@@ -1,7 +1,6 @@
 """The model pair maker: corpus split, tokenizer, deterministic training, acceptance
 figures, the saved tiny pair (the session fixture `tiny_pair`) and the CLI."""
 
-import importlib.util
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -10,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from build.acceptance import accepted_lengths, held_out_prompts, summarize
-from build.corpus import load_corpus, load_topics, split_by_topic
-from build.model_pair import PRESETS
-from build.tokenizer import SPECIAL_TOKENS, train_tokenizer
-from build.train import (
+from saguaro.modelmaker.acceptance import accepted_lengths, held_out_prompts, summarize
+from saguaro.modelmaker.corpus import load_corpus, load_topics, split_by_topic
+from saguaro.modelmaker.model_pair import PRESETS
+from saguaro.modelmaker.tokenizer import SPECIAL_TOKENS, train_tokenizer
+from saguaro.modelmaker.train import (
     TrainSettings,
     distill_draft,
     encode_documents,
@@ -24,7 +23,6 @@ from build.train import (
     train_target,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY = PRESETS["tiny"]
 FEW_STEPS = TrainSettings(steps=3, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=1)
 TRICKY_TEXTS = [
@@ -228,11 +226,9 @@ def test_pair_report_has_acceptance_figures(tiny_pair):
 
 @pytest.fixture(scope="module")
 def cli():
-    script = REPO_ROOT / "scripts" / "make_models.py"
-    spec = importlib.util.spec_from_file_location("make_models", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from saguaro.modelmaker import cli as make_models_cli
+
+    return make_models_cli
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from checkpoints import make_checkpoint
-from runtime.checkpoint import CheckpointError
-from runtime.options import DecodeOptions
-from runtime.pipeline import Pipeline, RequestError
-from runtime.sampling import SamplingParams
+from saguaro.runtime.checkpoint import CheckpointError
+from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.pipeline import Pipeline, RequestError
+from saguaro.runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [1, 9, 14, 22, 5, 31]

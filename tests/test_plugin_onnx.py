@@ -5,10 +5,10 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from plugins.branch_draft import onnx_function as branch_onnx
-from plugins.branch_draft.reference import commit_indices, gather_kv, plan_branches
-from plugins.fused_verify import onnx_function as verify_onnx
-from plugins.fused_verify.reference import fused_verify
+from saguaro.plugins.branch_draft import onnx_function as branch_onnx
+from saguaro.plugins.branch_draft.reference import commit_indices, gather_kv, plan_branches
+from saguaro.plugins.fused_verify import onnx_function as verify_onnx
+from saguaro.plugins.fused_verify.reference import fused_verify
 
 OPSETS = (17, 21)  # 18 moved ReduceMin/Max axes to an input; 21 is recent
 DRAFT_LENGTHS = (0, 1, 3, 5)

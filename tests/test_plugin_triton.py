@@ -23,10 +23,10 @@ if not isinstance(triton.language.standard.cumsum, triton.runtime.interpreter.In
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run this file on its own "
                 "or set the variable in tests/conftest.py", allow_module_level=True)
 
-from plugins.branch_draft import triton_kernel as branch_triton  # noqa: E402
-from plugins.branch_draft.reference import commit_indices, gather_kv, plan_branches  # noqa: E402
-from plugins.fused_verify import triton_kernel as verify_triton  # noqa: E402
-from plugins.fused_verify.reference import fused_verify  # noqa: E402
+from saguaro.plugins.branch_draft import triton_kernel as branch_triton  # noqa: E402
+from saguaro.plugins.branch_draft.reference import commit_indices, gather_kv, plan_branches  # noqa: E402
+from saguaro.plugins.fused_verify import triton_kernel as verify_triton  # noqa: E402
+from saguaro.plugins.fused_verify.reference import fused_verify  # noqa: E402
 
 DRAFT_LENGTHS = (0, 1, 3, 5)
 # The interpreter runs tl.sort slowly, so the filtered settings use a small vocabulary.
@@ -143,8 +143,8 @@ def test_gather_kv_reads_before_it_writes():
 COMPILE_SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
-    from plugins.branch_draft import triton_kernel as bd
-    from plugins.fused_verify import triton_kernel as fv
+    from saguaro.plugins.branch_draft import triton_kernel as bd
+    from saguaro.plugins.fused_verify import triton_kernel as fv
 
     def sig(**kinds):
         return kinds

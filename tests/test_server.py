@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from runtime.detokenizer import prefix_window, text_delta
-from runtime.options import DecodeOptions
-from runtime.pipeline import Pipeline
-from runtime.sampling import SamplingParams
-from scripts.client import MODEL, CompletionError, complete, ensemble_inputs
-from scripts.prepare_model_repo import values_from_args
-from scripts.serve import Ports, parse_args, serve
+from saguaro.runtime.detokenizer import prefix_window, text_delta
+from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.pipeline import Pipeline
+from saguaro.runtime.sampling import SamplingParams
+from saguaro.serving.client import MODEL, CompletionError, complete, ensemble_inputs
+from saguaro.serving.launch import Ports, parse_args, serve
+from saguaro.serving.model_repo import values_from_args
 from checkpoints import build_engines_cli, with_longer_context
 
 pytestmark = pytest.mark.server

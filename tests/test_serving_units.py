@@ -8,13 +8,13 @@ import random
 import numpy as np
 import pytest
 
-from runtime.detokenizer import PREFIX_TOKENS, prefix_window, stream_text, text_delta
-from runtime.options import DecodeOptions
-from runtime.pipeline import Pipeline, RequestError
-from runtime.sampling import SamplingParams
-from runtime.serving import (ModelLimits, ServingDefaults, ServingRequest, TextCodec, first_stop_end,
+from saguaro.runtime.detokenizer import PREFIX_TOKENS, prefix_window, stream_text, text_delta
+from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.pipeline import Pipeline, RequestError
+from saguaro.runtime.sampling import SamplingParams
+from saguaro.serving.requests import (ModelLimits, defaults_from_parameters, ServingRequest, TextCodec, first_stop_end,
                              parse_request, parse_word_list, run_request, split_words, word_list)
-from scripts.prepare_model_repo import TEMPLATES, parse_args, prepare_model_repo, values_from_args
+from saguaro.serving.model_repo import parse_args, prepare_model_repo, templates_dir, values_from_args
 from checkpoints import byte_level_tokenizer
 
 LIMITS = ModelLimits(max_context=64, vocab_size=300)
@@ -84,7 +84,7 @@ def request_inputs(**overrides) -> dict:
     return inputs
 
 
-def parse(defaults=ServingDefaults(), **overrides) -> ServingRequest:
+def parse(defaults=DecodeOptions(), **overrides) -> ServingRequest:
     return parse_request(request_inputs(**overrides).get, defaults, LIMITS)
 
 
@@ -99,7 +99,7 @@ def test_a_full_request_parses_into_runtime_options():
 
 
 def test_left_out_knobs_take_the_configured_defaults():
-    defaults = ServingDefaults.from_parameters({"default_decoding_mode": "speculative",
+    defaults = defaults_from_parameters({"default_decoding_mode": "speculative",
                                                 "default_num_draft_tokens": "3", "default_fanout": "2",
                                                 "default_budget": " "})
     request = parse(defaults)
@@ -109,7 +109,7 @@ def test_left_out_knobs_take_the_configured_defaults():
 
 def test_bad_configured_defaults_fail_at_load():
     with pytest.raises(ValueError, match="decoding mode"):
-        ServingDefaults.from_parameters({"default_decoding_mode": "fast"})
+        defaults_from_parameters({"default_decoding_mode": "fast"})
 
 
 @pytest.mark.parametrize("overrides, named", [
@@ -251,7 +251,7 @@ def test_engines_fill_the_templates_from_their_manifest(tiny_engines, tmp_path):
     assert pre["bos_token_id"] == str(manifest["models"]["target"]["bos_token_id"])
     assert (repo / "ensemble" / "1").is_dir() and (repo / "ssd" / "1" / "model.py").is_file()
     assert not any("${" in config.read_text() for config in repo.glob("*/config.pbtxt"))
-    assert all("${" in config.read_text() for config in TEMPLATES.glob("[ps]*/config.pbtxt"))  # untouched
+    assert all("${" in config.read_text() for config in templates_dir().glob("[ps]*/config.pbtxt"))  # untouched
 
 
 def test_checkpoints_fill_the_templates_too(tiny_pair, tmp_path):

@@ -3,10 +3,10 @@ import pytest
 import torch
 
 from checkpoints import make_checkpoint
-from runtime.engine import TorchEngine
-from runtime.sampling import SamplingParams
-from runtime.speculator import Speculator
-from runtime.verifier import Verifier
+from saguaro.runtime.engines.torch_engine import TorchEngine
+from saguaro.runtime.sampling import SamplingParams
+from saguaro.runtime.speculator import Speculator
+from saguaro.runtime.verifier import Verifier
 
 K = 3
 PROMPT = [1, 7, 12, 30, 9]

@@ -11,14 +11,16 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from build import tensorrt_builder
-from build.tensorrt_builder import TensorRTBuildOptions, profile_shapes, strip_plugin_functions
-from plugins.branch_draft import PLUGIN_VERSION as BRANCH_VERSION
-from plugins.branch_draft import onnx_function as branch_onnx
-from plugins.branch_draft import tensorrt_plugin as branch_trt
-from plugins.fused_verify import PLUGIN_VERSION as VERIFY_VERSION
-from plugins.fused_verify import onnx_function as verify_onnx
-from plugins.fused_verify import tensorrt_plugin as verify_trt
+from saguaro.compiler import tensorrt_builder
+from saguaro.compiler.tensorrt_builder import TensorRTBuildOptions, profile_shapes, strip_plugin_functions
+from saguaro.plugins.branch_draft import PLUGIN_VERSION as BRANCH_VERSION
+from saguaro.plugins.branch_draft import onnx_function as branch_onnx
+from saguaro.plugins.branch_draft import tensorrt_plugin as branch_trt
+from saguaro.plugins.fused_verify import PLUGIN_VERSION as VERIFY_VERSION
+from saguaro.plugins.fused_verify import onnx_function as verify_onnx
+from saguaro.plugins.fused_verify import tensorrt_plugin as verify_trt
+from saguaro.plugins.tensorrt_plugins import register_plugins
+from saguaro.plugins.tensorrt_registry import check_plugin_version
 
 try:
     import tensorrt  # noqa: F401
@@ -83,9 +85,9 @@ def test_strip_rejects_a_plugin_node_tensorrt_could_not_map():
 def test_plugin_versions_are_the_one_tensorrt_plugin_registers():
     """`tensorrt.plugin` registers every creator as version "1"; the parser looks up the node's."""
     for version in (VERIFY_VERSION, BRANCH_VERSION):
-        verify_trt.check_plugin_version(version)
+        check_plugin_version(version)
     with pytest.raises(RuntimeError, match="version"):
-        verify_trt.check_plugin_version("2")
+        check_plugin_version("2")
 
 
 def test_profile_shapes_from_named_dimensions():
@@ -132,7 +134,7 @@ def test_build_engine_drives_the_builder_api(tmp_path):
     onnx.save(branch_onnx.standalone_model(), onnx_path)
     trt = fake_tensorrt()
     options = TensorRTBuildOptions(dim_ranges={"rows": (1, 5, 9), "vocab": (64, 64, 64), "drafts": (0, 4, 8)})
-    with mock.patch.object(tensorrt_builder, "import_tensorrt", return_value=(trt, None)), \
+    with mock.patch.object(tensorrt_builder, "import_tensorrt", return_value=trt), \
             mock.patch.object(tensorrt_builder, "register_plugins") as register:
         tensorrt_builder.build_engine(onnx_path, tmp_path / "out" / "branch.plan", options)
     register.assert_called_once()
@@ -164,7 +166,7 @@ def test_plugins_register_with_tensorrt():
     pytest.importorskip("tensorrt", reason="TensorRT comes from NVIDIA's index only (pypi.nvidia.com)")
     import tensorrt as trt
 
-    tensorrt_builder.register_plugins()
+    register_plugins()
     registry = trt.get_plugin_registry()
     for name in ("FusedVerify", "BranchDraft"):
         assert registry.get_creator(name, "1", "saguaro") is not None
@@ -179,7 +181,7 @@ def test_fused_verify_engine_matches_reference(tmp_path, k):
         pytest.skip("TensorRT engines need a CUDA GPU")
     import tensorrt as trt
 
-    from plugins.fused_verify.reference import fused_verify
+    from saguaro.plugins.fused_verify.reference import fused_verify
 
     onnx_path = tmp_path / "verify.onnx"
     onnx.save(verify_onnx.standalone_model(), onnx_path)

@@ -12,7 +12,8 @@ stops that generation at its next round (and ends it with a normal final respons
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from runtime.serving import model_parameters
+from saguaro.runtime.detokenizer import text_delta
+from saguaro.serving.requests import TextCodec, model_parameters
 
 
 def ids_of(request, name: str) -> list[int]:
@@ -22,10 +23,6 @@ def ids_of(request, name: str) -> list[int]:
 class TritonPythonModel:
     def initialize(self, args):
         parameters = model_parameters(args)
-        from runtime.detokenizer import text_delta
-        from runtime.serving import TextCodec
-
-        self.text_delta = text_delta
         self.codec = TextCodec(parameters["tokenizer_dir"], bos_token_id=None)
         self.generation_model = parameters["generation_model"]
 
@@ -38,7 +35,7 @@ class TritonPythonModel:
             # would leave the ensemble request in flight forever (Triton 2.51).
             self.relay_cancellation(request)
         final = bool(pb_utils.get_input_tensor_by_name(request, "IS_FINAL").as_numpy().reshape(-1)[0])
-        text = self.text_delta(self.codec.decode, ids_of(request, "PREFIX_IDS"),
+        text = text_delta(self.codec.decode, ids_of(request, "PREFIX_IDS"),
                                ids_of(request, "TOKENS_BATCH"), final)
         output = np.array([[text.encode("utf-8")]], dtype=object)
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", output)])

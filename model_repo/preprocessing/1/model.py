@@ -1,13 +1,13 @@
 """Triton `preprocessing`: the prompt text to token ids, stop words to a word list.
 
-Encodes exactly as the runtime does (`runtime.serving.TextCodec`), so the ids the SSD
+Encodes exactly as the runtime does (`saguaro.serving.requests.TextCodec`), so the ids the SSD
 model receives are the ones `Pipeline.encode` would give for the same text.
 """
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from runtime.serving import model_parameters
+from saguaro.serving import requests as serving
 
 
 def strings_of(request, name: str) -> list[str]:
@@ -20,10 +20,7 @@ def strings_of(request, name: str) -> list[str]:
 
 class TritonPythonModel:
     def initialize(self, args):
-        parameters = model_parameters(args)
-        from runtime import serving
-
-        self.serving = serving
+        parameters = serving.model_parameters(args)
         bos = parameters.get("bos_token_id", "").strip()
         self.codec = serving.TextCodec(parameters["tokenizer_dir"], int(bos) if bos else None)
 
@@ -35,21 +32,21 @@ class TritonPythonModel:
             return pb_utils.InferenceResponse(output_tensors=self.preprocess(request))
         except UnicodeDecodeError as error:
             return error_response(f"input 'text_input' (or a word list) is not valid UTF-8: {error}")
-        except self.serving.RequestError as error:
+        except serving.RequestError as error:
             return error_response(str(error))
 
     def preprocess(self, request) -> list:
         queries = strings_of(request, "QUERY")
         if len(queries) != 1:
-            raise self.serving.RequestError(f"input 'text_input' must hold one string, got {len(queries)}")
-        if self.serving.split_words(strings_of(request, "BAD_WORDS_DICT")):
+            raise serving.RequestError(f"input 'text_input' must hold one string, got {len(queries)}")
+        if serving.split_words(strings_of(request, "BAD_WORDS_DICT")):
             # Banning words means masking logits inside the lossless verification, which
             # the engines do not do; refusing beats silently ignoring them.
-            raise self.serving.RequestError("input 'bad_words' is not supported by the SSD model; "
+            raise serving.RequestError("input 'bad_words' is not supported by the SSD model; "
                                             "send it empty or leave it out")
-        stop_words = self.serving.split_words(strings_of(request, "STOP_WORDS_DICT"))
+        stop_words = serving.split_words(strings_of(request, "STOP_WORDS_DICT"))
         input_ids = self.codec.encode(queries[0])
-        word_list = self.serving.word_list(self.codec.encode_word, stop_words)
+        word_list = serving.word_list(self.codec.encode_word, stop_words)
         return [pb_utils.Tensor("INPUT_ID", np.array([input_ids], dtype=np.int32)),
                 pb_utils.Tensor("STOP_WORDS_IDS", word_list[np.newaxis])]
 

@@ -2,7 +2,7 @@
 
 Decoupled: `execute` validates each request, hands it to a worker thread and returns at
 once (one `execute` at a time would serve one generation at a time). A worker runs
-`runtime.serving.run_request`, which sends a response per round when streaming and a
+`saguaro.serving.requests.run_request`, which sends a response per round when streaming and a
 final response carrying the request's stats. Cancellation is checked once per round;
 the SSD figures also go to Triton's metrics endpoint as custom metrics.
 
@@ -21,7 +21,8 @@ import numpy as np
 
 import triton_python_backend_utils as pb_utils
 
-from runtime.serving import model_parameters
+from saguaro.runtime.pipeline import Pipeline
+from saguaro.serving import requests as serving
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Tokens per second of one request; a tiny model on CPU reaches the thousands.
@@ -32,8 +33,6 @@ CANCEL_POLL_S = 0.05
 
 
 def load_pipeline(parameters: dict):
-    from runtime.pipeline import Pipeline
-
     if parameters.get("engines_dir"):
         return Pipeline.load(engines=parameters["engines_dir"])
     return Pipeline.load(target=parameters["target_dir"], draft=parameters["draft_dir"])
@@ -159,12 +158,9 @@ class Generations:
 
 class TritonPythonModel:
     def initialize(self, args):
-        parameters = model_parameters(args)
-        from runtime import serving
-
-        self.serving = serving
+        parameters = serving.model_parameters(args)
         self.pipeline = load_pipeline(parameters)
-        self.defaults = serving.ServingDefaults.from_parameters(parameters)
+        self.defaults = serving.defaults_from_parameters(parameters)
         self.limits = serving.ModelLimits(self.pipeline.max_context, self.pipeline.target.info.vocab_size)
         self.workers = ThreadPoolExecutor(int(parameters.get("max_concurrency") or 8),
                                           thread_name_prefix="ssd-request")
@@ -185,7 +181,7 @@ class TritonPythonModel:
             sender.send(flags=FINAL)
             return
         try:
-            parsed = self.serving.parse_request(input_getter(request), self.defaults, self.limits)
+            parsed = serving.parse_request(input_getter(request), self.defaults, self.limits)
             self.pipeline.check_request(parsed.prompt_ids, parsed.options)
         except ValueError as error:  # RequestError, or a value the options reject
             self.metrics.count_request("rejected")
@@ -200,7 +196,7 @@ class TritonPythonModel:
         id_array = np.array([[generation_id]], dtype=np.uint64)
         client_cancelled = polled(request.is_cancelled, CANCEL_POLL_S)  # when called directly
         try:
-            outcome = self.serving.run_request(
+            outcome = serving.run_request(
                 self.pipeline, parsed,
                 lambda arrays, final: send_arrays(sender, {**arrays, "generation_id": id_array}, final),
                 is_cancelled=lambda: self.closing.is_set() or relayed_cancel.is_set() or client_cancelled())

@@ -1,0 +1,258 @@
+"""Build an engine directory from a validated `BuildConfig`: the whole pipeline, top-down.
+
+    check everything that can fail (checkpoints, pair, limits, backend, output folder)
+    -> export both models -> quantise -> assemble the plugin graphs -> backend build
+    -> tokenizer files -> manifest.json (last: its presence means the build completed)
+
+The directory is built beside its destination and moved into place at the end, so an
+interrupted build never leaves a half-written engine directory behind.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+import onnxruntime
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+from saguaro.compiler import export
+from saguaro.compiler.config import BuildConfig, ConfigError, config_to_dict
+from saguaro.compiler.onnxruntime_builder import quantize, save_optimized
+from saguaro.compiler.tensorrt_builder import TensorRTBuildOptions, build_engine
+from saguaro.plugins.tensorrt_registry import import_tensorrt
+from saguaro.runtime.engines.manifest import MANIFEST_FILE, sha256_file, write_manifest
+from saguaro.runtime.checkpoint import (CheckpointError, check_pair_compatible, llama_shape, load_checkpoint,
+                                load_tokenizer, read_config, tokenizer_fingerprint)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+TOKENIZER_DIR = "tokenizer"
+GRAPHS = {"target": ("forward", "verify"), "draft": ("forward", "branch_draft", "kv_gather")}
+# TensorRT commits a branch between engine calls (torch on the device), not in a graph.
+TENSORRT_SKIPS = ("kv_gather",)
+
+
+@dataclass
+class Source:
+    """One checkpoint as inspected before the build: everything but its weights."""
+
+    role: str
+    path: Path
+    config: dict
+    shape: object  # runtime.llama.LlamaShape
+    tokenizer: object
+    fingerprint: str
+
+
+@dataclass
+class BuildRecord:
+    """What the summary table and the manifest report, filled in as the build goes."""
+
+    graphs: dict[str, dict[str, dict[str, str]]] = field(default_factory=lambda: {"target": {}, "draft": {}})
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def inspect_checkpoint(role: str, path: Path) -> Source:
+    config = read_config(path)
+    shape = llama_shape(config, where=f"{role} checkpoint {str(path)!r}")
+    if not list(path.glob("*.safetensors")):
+        raise CheckpointError(f"{role} checkpoint {str(path)!r} has no *.safetensors weights")
+    tokenizer = load_tokenizer(path)
+    return Source(role, path, config, shape, tokenizer, tokenizer_fingerprint(tokenizer))
+
+
+def check_sources(config: BuildConfig, target: Source, draft: Source) -> None:
+    check_pair_compatible(target.shape.vocab_size, draft.shape.vocab_size, target.fingerprint, draft.fingerprint)
+    for source in (target, draft):
+        if config.max_context > source.shape.max_position_embeddings:
+            raise ConfigError(f"max_context={config.max_context} is beyond the {source.role} model's "
+                              f"max_position_embeddings {source.shape.max_position_embeddings}")
+
+
+def check_backend(config: BuildConfig) -> None:
+    """Import what the backend build needs now, not after minutes of exporting."""
+    if config.backend == "tensorrt":
+        try:
+            import_tensorrt()
+        except ImportError as error:
+            raise ConfigError(f"backend=tensorrt: {error}") from error
+    elif config.precision == "int4":
+        try:
+            from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer  # noqa: F401
+        except ImportError as error:
+            raise ConfigError(f"precision=int4 needs ONNX Runtime's MatMulNBits quantiser ({error}); "
+                              "pip install onnx-ir") from error
+
+
+def check_output(out: Path) -> None:
+    """Replace only what is ours: an earlier engine directory or an empty folder."""
+    if out.exists() and not (out.is_dir() and ((out / MANIFEST_FILE).is_file() or not any(out.iterdir()))):
+        raise ConfigError(f"output {str(out)!r} exists and is not an engine directory; "
+                          "choose another --out or remove it")
+
+
+def export_model(config: BuildConfig, source: Source, folder: Path, work: Path) -> dict[str, Path]:
+    """The role's ONNX graphs (plugin nodes included) in `folder`; returns stem -> path."""
+    model = load_checkpoint(source.path).model
+    forward = export.export_forward(model, work / f"{source.role}_forward.onnx", config.opset)
+    if config.backend == "onnxruntime":
+        forward = quantize(forward, config.precision)
+    graphs = {"forward": forward}
+    if source.role == "target":
+        graphs["verify"] = export.assemble_verify(forward, config.opset, source.shape.vocab_size)
+    paths = export.save_sharing_weights(graphs, folder)
+    if source.role == "draft":
+        layers, heads, dim = source.shape.kv_shape
+        small = {"branch_draft": export.branch_draft_model(config.opset, config.max_branches),
+                 "kv_gather": export.kv_gather_model(config.opset, layers, heads, dim)}
+        for stem, graph in small.items():
+            if config.backend == "tensorrt" and stem in TENSORRT_SKIPS:
+                continue
+            paths[stem] = folder / f"{stem}.onnx"
+            onnx.save_model(graph, str(paths[stem]))
+    return paths
+
+
+def build_backend(config: BuildConfig, path: Path, shape) -> Path:
+    """The file the runtime loads for one graph: ORT's optimised model or a TensorRT plan."""
+    if config.backend == "onnxruntime":
+        return save_optimized(path, config.session)
+    return build_engine(path, path.with_suffix(".plan"), tensorrt_options(config, shape.vocab_size))
+
+
+def tensorrt_options(config: BuildConfig, vocab_size: int):
+    """One optimisation profile over the graphs' named dimensions. Opt shapes are a decode
+    step at half the context, consistent across inputs (total = past + n)."""
+
+    cache, k, typical = config.max_cache_entries, config.max_draft_tokens, config.max_context // 2
+    longest_query = max(config.max_context, k + 1, config.max_branches)
+    dims = {"batch": (1, 1, config.max_batch), "n": (1, 1, longest_query),
+            "past": (0, typical, cache), "total": (1, typical + 1, cache),
+            "k": (0, k, k), "k_plus_1": (1, k + 1, k + 1), "vocab": (vocab_size,) * 3}
+    # fp16 asks the builder for lower-precision kernels of the fp32 graph (weak typing)
+    return TensorRTBuildOptions(dim_ranges=dims, precision=config.precision,
+                                strongly_typed=config.precision == "fp32")
+
+
+def copy_tokenizer(source: Path, folder: Path) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
+    for name in copied:
+        shutil.copy2(source / name, folder / name)
+    return copied
+
+
+def input_hashes(sources: list[Source]) -> dict[str, str]:
+    """sha256 of every file of each checkpoint folder the build read."""
+    return {f"{s.role}/{p.name}": sha256_file(p) for s in sources for p in sorted(s.path.iterdir()) if p.is_file()}
+
+
+def graph_signature(path: Path) -> dict:
+    """Names, element types and shapes (ints or symbolic names) of a graph's inputs and outputs."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+
+    def describe(values):
+        return [{"name": v.name, "dtype": onnx.TensorProto.DataType.Name(v.type.tensor_type.elem_type).lower(),
+                 "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]} for v in values]
+    return {"inputs": describe(graph.input), "outputs": describe(graph.output)}
+
+
+def versions(config: BuildConfig) -> dict[str, str]:
+    found = {"python": sys.version.split()[0], "torch": torch.__version__, "onnx": onnx.__version__,
+             "onnxruntime": onnxruntime.__version__, "transformers": transformers.__version__,
+             "opset": str(config.opset), "exporter": "torch.onnx.export (TorchScript)"}
+    if config.backend == "tensorrt":
+        found["tensorrt"] = import_tensorrt().__version__
+    return found
+
+
+def model_entry(source: Source, graphs: dict[str, dict[str, str]], root: Path) -> dict:
+    eos = source.config.get("eos_token_id", source.tokenizer.eos_token_id)
+    return {"checkpoint": str(source.path.resolve()), "config": source.config,
+            "shape": dataclasses.asdict(source.shape), "tokenizer_fingerprint": source.fingerprint,
+            "bos_token_id": source.config.get("bos_token_id"), "eos_token_id": eos[0] if isinstance(eos, list) else eos,
+            "graphs": graphs,
+            "signatures": {stem: graph_signature(root / files["onnx"]) for stem, files in graphs.items()}}
+
+
+def manifest_content(config: BuildConfig, sources: list[Source], record: BuildRecord, root: Path) -> dict:
+    target = sources[0]
+    return {"name": config.name, "backend": config.backend, "precision": config.precision,
+            "build": config_to_dict(config),
+            "models": {s.role: model_entry(s, record.graphs[s.role], root) for s in sources},
+            "tokenizer": {"dir": TOKENIZER_DIR, "fingerprint": target.fingerprint,
+                          "vocab_size": target.shape.vocab_size},
+            "versions": versions(config), "inputs": input_hashes(sources)}
+
+
+def build_role(config: BuildConfig, source: Source, staging: Path, record: BuildRecord, bar) -> None:
+    """Export one model's graphs, then build each for the backend, timing every step."""
+    bar.set_description(f"export {source.role}")
+    started = time.perf_counter()
+    paths = export_model(config, source, staging / source.role, staging / "work")
+    record.seconds[f"{source.role}/export"] = time.perf_counter() - started
+    bar.update()
+    for stem, path in paths.items():
+        bar.set_description(f"{config.backend} {source.role}/{stem}")
+        started = time.perf_counter()
+        engine = build_backend(config, path, source.shape)
+        record.seconds[f"{source.role}/{stem}"] = time.perf_counter() - started
+        record.graphs[source.role][stem] = {"onnx": path.relative_to(staging).as_posix(),
+                                            "engine": engine.relative_to(staging).as_posix()}
+        bar.update()
+
+
+def build_engines(config: BuildConfig, out: Path, show_progress: bool = True) -> BuildRecord:
+    """Validate everything, then build `out`. Raises ConfigError / CheckpointError up front."""
+    out = Path(out)
+    check_output(out)
+    sources = [inspect_checkpoint("target", config.target), inspect_checkpoint("draft", config.draft)]
+    check_sources(config, *sources)
+    check_backend(config)
+    staging = out.resolve().with_name(f".{out.resolve().name}.building")
+    shutil.rmtree(staging, ignore_errors=True)
+    (staging / "work").mkdir(parents=True)
+    record = BuildRecord()
+    skipped = len(TENSORRT_SKIPS) if config.backend == "tensorrt" else 0
+    steps = sum(1 + len(GRAPHS[s.role]) for s in sources) - skipped + 2
+    try:
+        with tqdm(total=steps, desc="build", disable=not show_progress, file=sys.stderr) as bar:
+            for source in sources:
+                build_role(config, source, staging, record, bar)
+            shutil.rmtree(staging / "work")
+            bar.set_description("tokenizer + manifest")
+            copy_tokenizer(config.target, staging / TOKENIZER_DIR)
+            bar.update()
+            write_manifest(staging, manifest_content(config, sources, record, staging))
+            bar.update()
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # never leave a half-built directory
+        raise
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+    return record
+
+
+def summary(config: BuildConfig, out: Path, record: BuildRecord) -> str:
+    """The table printed at the end of a build: each engine file, its size and build time."""
+    rows = [("graph", "engine file", "MB", "seconds")]
+    total_mb = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) / 1e6
+    for role, graphs in record.graphs.items():
+        rows.append((f"{role}/export", "", "", f"{record.seconds[f'{role}/export']:.1f}"))
+        for stem, files in graphs.items():
+            rows.append((f"{role}/{stem}", files["engine"], f"{(out / files['engine']).stat().st_size / 1e6:.2f}",
+                         f"{record.seconds[f'{role}/{stem}']:.1f}"))
+    rows.append(("all files", "", f"{total_mb:.2f}", f"{sum(record.seconds.values()):.1f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.append(f"{out}: backend {config.backend}, precision {config.precision}, K <= {config.max_draft_tokens}, "
+                 f"branches <= {config.max_branches}, context <= {config.max_context}")
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""BranchDraft and the KV gather as OpenAI Triton kernels (behind the TensorRT plugin).
+
+- `candidate_keys_kernel`: one program per depth j; it masks d_{j+1}, then takes the
+  row's best F_j tokens by repeated argmax (F_j is small, a runtime loop bound) and writes
+  them at offset F_0 + .. + F_{j-1}, so the keys come out ordered by depth, then rank.
+- `tree_layout_kernel`: one program per row `s*B + b` of the tree mask; it also writes
+  position `[s, b]`.
+- `gather_kv_kernel`: one program per (leading index, head-dim block); it loads all the
+  committed entries before storing any, so it is safe in place even though a
+  destination may be another entry's source (sources lie at or after destinations).
+
+The launchers allocate outputs, so they need B = sum(fanout) on the host (one sync);
+the TensorRT plugin gets its buffers from TensorRT and calls `launch_*` directly.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from saguaro.plugins.branch_draft.reference import BranchPlan
+
+
+@triton.jit
+def candidate_keys_kernel(scores_ptr, scores_row_stride, draft_tokens_ptr, fanout_ptr,
+                          depth_ptr, token_ptr, rank_ptr, num_drafts, vocab_size,
+                          BLOCK_V: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    depth = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_ROWS)
+    fanouts = tl.load(fanout_ptr + rows, mask=rows <= num_drafts, other=0)
+    first = tl.sum(tl.where(rows < depth, fanouts, 0), axis=0)
+    width = tl.load(fanout_ptr + depth)
+    offsets = tl.arange(0, BLOCK_V)
+    scores = tl.load(scores_ptr + depth * scores_row_stride + offsets, mask=offsets < vocab_size,
+                     other=float("-inf")).to(tl.float32)
+    draft = tl.load(draft_tokens_ptr + depth, mask=depth < num_drafts, other=-1)
+    scores = tl.where(offsets == draft, float("-inf"), scores)
+    slot = first
+    for _ in range(0, width):
+        best = tl.argmax(scores, axis=0)
+        tl.store(depth_ptr + slot, depth.to(tl.int64))
+        tl.store(token_ptr + slot, best.to(tl.int64))
+        tl.store(rank_ptr + slot, slot - first)
+        scores = tl.where(offsets == best, float("-inf"), scores)
+        slot += 1
+
+
+@triton.jit
+def tree_layout_kernel(depth_ptr, positions_ptr, mask_ptr, context_length_ptr, num_drafts,
+                       num_branches, BLOCK_COLS: tl.constexpr):
+    row = tl.program_id(0)
+    step = row // num_branches
+    branch = row % num_branches
+    depth = tl.load(depth_ptr + branch)
+    context_length = tl.load(context_length_ptr)
+    tl.store(positions_ptr + row, context_length + depth + step)
+    width = num_drafts + num_drafts * num_branches
+    for start in range(0, width, BLOCK_COLS):
+        cols = start + tl.arange(0, BLOCK_COLS)
+        chain = cols - num_drafts  # index into the branch entries, s'*B + b'
+        sees_draft = (cols < num_drafts) & (cols < depth)
+        sees_chain = (chain >= 0) & (chain % num_branches == branch) & (chain // num_branches <= step)
+        tl.store(mask_ptr + row * width + cols, sees_draft | sees_chain, mask=cols < width)
+
+
+@triton.jit
+def gather_kv_kernel(buffer_ptr, source_ptr, start, count, capacity, head_dim,
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    lead = tl.program_id(0)
+    dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    entries = tl.arange(0, BLOCK_N)
+    live = (entries[:, None] < count) & (dims[None, :] < head_dim)
+    sources = tl.load(source_ptr + entries, mask=entries < count, other=0)
+    base = buffer_ptr + lead.to(tl.int64) * capacity * head_dim
+    values = tl.load(base + sources[:, None] * head_dim + dims[None, :], mask=live)
+    tl.store(base + (start + entries)[:, None] * head_dim + dims[None, :], values, mask=live)
+
+
+def launch_candidate_keys(scores: torch.Tensor, draft_tokens: torch.Tensor, fanout: torch.Tensor,
+                          depth: torch.Tensor, token: torch.Tensor, rank: torch.Tensor) -> None:
+    """Fill `[B]` depth / token / rank; the caller sized them with B = sum(fanout)."""
+    rows, vocab_size = scores.shape
+    if scores.stride(1) != 1:
+        raise ValueError("candidate_keys needs score rows with unit stride along the vocabulary")
+    candidate_keys_kernel[(rows,)](
+        scores, scores.stride(0), draft_tokens, fanout, depth, token, rank, rows - 1, vocab_size,
+        BLOCK_V=triton.next_power_of_2(vocab_size), BLOCK_ROWS=triton.next_power_of_2(rows))
+
+
+def launch_tree_layout(depth: torch.Tensor, context_length: torch.Tensor, num_drafts: int,
+                       positions: torch.Tensor, window_mask: torch.Tensor) -> None:
+    """Fill positions `[K, B]` and the bool window mask `[K*B, K + K*B]` (K steps)."""
+    num_branches = depth.shape[0]
+    if num_drafts * num_branches == 0:
+        return  # both outputs are empty
+    tree_layout_kernel[(num_drafts * num_branches,)](
+        depth, positions, window_mask, context_length, num_drafts, num_branches, BLOCK_COLS=128)
+
+
+def launch_gather_kv(buffer: torch.Tensor, start: int, source_indices: torch.Tensor) -> None:
+    """In place on a contiguous `[..., capacity, head_dim]` buffer, like `reference.gather_kv`."""
+    if not buffer.is_contiguous():
+        raise ValueError("gather_kv works in place and needs a contiguous buffer")
+    count = source_indices.shape[0]
+    if count == 0:
+        return
+    capacity, head_dim = buffer.shape[-2:]
+    leading = buffer.numel() // (capacity * head_dim)
+    block_d = min(triton.next_power_of_2(head_dim), 128)
+    grid = (leading, triton.cdiv(head_dim, block_d))
+    gather_kv_kernel[grid](buffer, source_indices, start, count, capacity, head_dim,
+                           BLOCK_N=triton.next_power_of_2(count), BLOCK_D=block_d)
+
+
+def candidate_keys(scores: torch.Tensor, draft_tokens: torch.Tensor, fanout: torch.Tensor):
+    """Same result as `reference.candidate_keys`: `(depth, token, rank)`, each `[B]` int64."""
+    branches = int(fanout.sum())
+    depth, token, rank = (torch.empty(branches, dtype=torch.int64, device=scores.device) for _ in range(3))
+    launch_candidate_keys(scores.contiguous(), draft_tokens.to(torch.int64).contiguous(),
+                          fanout.to(torch.int64).contiguous(), depth, token, rank)
+    return depth, token, rank
+
+
+def tree_layout(depth: torch.Tensor, context_length: int, num_drafts: int):
+    """`(positions, window_mask)` as `reference.branch_positions` / `reference.tree_mask` give
+    for `num_drafts` steps."""
+    branches, device = depth.shape[0], depth.device
+    positions = torch.empty(num_drafts, branches, dtype=torch.int64, device=device)
+    window_mask = torch.empty(num_drafts * branches, num_drafts + num_drafts * branches,
+                              dtype=torch.bool, device=device)
+    length = torch.tensor([context_length], dtype=torch.int64, device=device)
+    launch_tree_layout(depth.contiguous(), length, num_drafts, positions, window_mask)
+    return positions, window_mask
+
+
+def plan_branches(scores: torch.Tensor, draft_tokens: torch.Tensor, fanout: torch.Tensor,
+                  context_length: int) -> BranchPlan:
+    """Same result as `reference.plan_branches`."""
+    depth, token, rank = candidate_keys(scores, draft_tokens, fanout)
+    positions, window_mask = tree_layout(depth, context_length, draft_tokens.shape[0])
+    return BranchPlan(depth, token, rank, positions, window_mask)
+
+
+def gather_kv(buffer: torch.Tensor, start: int, source_indices: torch.Tensor) -> None:
+    """Same effect as `reference.gather_kv` (in place)."""
+    launch_gather_kv(buffer, start, source_indices.to(device=buffer.device, dtype=torch.int64).contiguous())

@@ -1,0 +1,221 @@
+"""FusedVerify as an ONNX local function of standard ops (the ONNX Runtime implementation).
+
+The graph carries one custom-domain node, `saguaro::FusedVerify`, whose body is the
+function below; ONNX Runtime inlines it, TensorRT's builder strips it and maps the node
+to the registered plugin (`tensorrt_plugin.py`). The body follows `reference.py` op for
+op, so both branches live in the graph: an `If` on `temperature == 0` picks greedy or
+sampling, and the top-k / top-p filters are `If`s too, so a plain sampling round does not
+pay for the full-vocabulary sorts they need.
+
+Inputs: target_logits `[K+1, V]` float, draft_tokens `[K]` int64, draft_probs `[K, V]`
+float, uniforms `[K+1]` float, temperature `[]` float, top_k `[]` int64, top_p `[]` float.
+Outputs: accepted `[]` int64, bonus `[]` int64.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from saguaro.plugins.fused_verify import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
+
+DOMAIN = PLUGIN_NAMESPACE
+INPUTS = ("target_logits", "draft_tokens", "draft_probs", "uniforms", "temperature", "top_k", "top_p")
+OUTPUTS = ("accepted", "bonus")
+# Declared so a node may carry them; the body ignores them (they are for TensorRT's parser).
+NODE_ATTRIBUTES = ("plugin_namespace", "plugin_version")
+
+
+class GraphBody:
+    """Nodes of one graph body under construction; `op` returns the output name(s).
+
+    Names get a per-body prefix because an `If` branch shares the value namespace of the
+    graph around it (ONNX requires names to be unique across nested scopes).
+    """
+
+    def __init__(self, prefix: str, opset: int):
+        self.prefix, self.opset = prefix, opset
+        self.nodes: list[onnx.NodeProto] = []
+
+    def op(self, op_type: str, *inputs: str, outputs: int | list[str] = 1, **attributes):
+        if isinstance(outputs, int):
+            names = [f"{self.prefix}{len(self.nodes)}_{op_type}_{i}" for i in range(outputs)]
+        else:
+            names = list(outputs)
+        self.nodes.append(helper.make_node(op_type, list(inputs), names, **attributes))
+        return names[0] if len(names) == 1 else names
+
+    def const(self, value, dtype=np.float32) -> str:
+        tensor = numpy_helper.from_array(np.asarray(value, dtype=dtype))
+        return self.op("Constant", value=tensor)
+
+    def reduce(self, op_type: str, x: str, axes: list[int] | None, keepdims: int) -> str:
+        """Reductions other than ReduceSum take `axes` as an input only from opset 18."""
+        if axes is None:
+            return self.op(op_type, x, keepdims=keepdims)
+        if op_type == "ReduceSum" or self.opset >= 18:
+            return self.op(op_type, x, self.const(axes, np.int64), keepdims=keepdims)
+        return self.op(op_type, x, axes=axes, keepdims=keepdims)
+
+    def first_rows(self, x: str, count: str) -> str:
+        """`x[:count]` along axis 0; `count` is a `[1]` int64 tensor."""
+        zero = self.const([0], np.int64)
+        return self.op("Slice", x, zero, count, zero)
+
+    def graph(self, name: str, outputs: list[tuple[str, int]]) -> onnx.GraphProto:
+        """This body as an `If` branch producing `outputs` (name, element type)."""
+        infos = [helper.make_tensor_value_info(n, t, None) for n, t in outputs]
+        return helper.make_graph(self.nodes, name, [], infos)
+
+
+def leading_true_count(g: GraphBody, flags: str) -> str:
+    """Scalar int64: how many leading entries of bool `[K]` are True (K when all are).
+
+    The index of the first False in `flags ‖ [False]`; ArgMax returns the first maximum.
+    """
+    stop = g.op("Concat", g.op("Not", flags), g.const([True], np.bool_), axis=0)
+    return g.op("ArgMax", g.op("Cast", stop, to=TensorProto.FLOAT), axis=0, keepdims=0)
+
+
+def vocab_size(g: GraphBody, rows: str) -> str:
+    """`[1]` int64: the last dimension of `rows`."""
+    return g.op("Shape", rows, start=-1)
+
+
+def if_else(g: GraphBody, condition: str, then_body: GraphBody, then_out: str,
+            else_out: str, element_type: int) -> str:
+    """`then_out` computed in `then_body` when `condition`, else the outer value `else_out`."""
+    other = GraphBody(then_body.prefix + "else_", g.opset)
+    other.op("Identity", else_out, outputs=[other.prefix + "out"])
+    return g.op("If", condition,
+                then_branch=then_body.graph(then_body.prefix + "then", [(then_out, element_type)]),
+                else_branch=other.graph(other.prefix + "graph", [(other.prefix + "out", element_type)]))
+
+
+def top_k_filter(g: GraphBody, scaled: str, top_k: str, vocab: str) -> str:
+    """Mask logits below the k-th largest with -inf when 0 < top_k < V."""
+    vocab_scalar = g.op("Squeeze", vocab, g.const([0], np.int64))
+    active = g.op("And", g.op("Greater", top_k, g.const(0, np.int64)), g.op("Less", top_k, vocab_scalar))
+    body = GraphBody(g.prefix + "topk_", g.opset)
+    k = body.op("Reshape", top_k, body.const([1], np.int64))
+    largest, _ = body.op("TopK", scaled, k, outputs=2, axis=-1)
+    kth_largest = body.reduce("ReduceMin", largest, [-1], keepdims=1)
+    below = body.op("Less", scaled, kth_largest)
+    masked = body.op("Where", below, body.const(-np.inf), scaled)
+    return if_else(g, active, body, masked, scaled, TensorProto.FLOAT)
+
+
+def top_p_filter(g: GraphBody, probs: str, top_p: str, vocab: str) -> str:
+    """Nucleus filter: keep the smallest prefix (by probability) whose mass reaches top_p."""
+    active = g.op("Less", top_p, g.const(1.0))
+    body = GraphBody(g.prefix + "topp_", g.opset)
+    sorted_probs, order = body.op("TopK", probs, vocab, outputs=2, axis=-1)
+    cumulative = body.op("CumSum", sorted_probs, body.const(-1, np.int64))
+    mass_before = body.op("Sub", cumulative, sorted_probs)
+    drop = body.op("GreaterOrEqual", mass_before, top_p)
+    kept = body.op("Where", drop, body.const(0.0), sorted_probs)
+    # `order` is a permutation, so scattering into `probs` overwrites every entry
+    unsorted = body.op("ScatterElements", probs, order, kept, axis=-1)
+    total = body.reduce("ReduceSum", unsorted, [-1], keepdims=1)
+    normalised = body.op("Div", unsorted, total)
+    return if_else(g, active, body, normalised, probs, TensorProto.FLOAT)
+
+
+def logits_to_probs(g: GraphBody, logits: str, temperature: str, top_k: str, top_p: str) -> str:
+    """`plugins.probs.logits_to_probs`: temperature, then top-k, then top-p."""
+    vocab = vocab_size(g, logits)
+    scaled = top_k_filter(g, g.op("Div", logits, temperature), top_k, vocab)
+    probs = g.op("Softmax", scaled, axis=-1)
+    return top_p_filter(g, probs, top_p, vocab)
+
+
+def sample_from(g: GraphBody, row: str, uniform: str, vocab: str) -> str:
+    """`plugins.probs.sample_from` for one row `[V]`: first index whose CDF exceeds u * total."""
+    cdf = g.op("CumSum", row, g.const(0, np.int64))
+    total = g.op("Slice", cdf, g.const([-1], np.int64), g.const([np.iinfo(np.int64).max], np.int64))
+    below = g.op("LessOrEqual", cdf, g.op("Mul", uniform, total))
+    count = g.reduce("ReduceSum", g.op("Cast", below, to=TensorProto.INT64), None, keepdims=0)
+    last = g.op("Squeeze", g.op("Sub", vocab, g.const([1], np.int64)), g.const([0], np.int64))
+    return g.op("Min", count, last)
+
+
+def greedy_branch(opset: int, logits: str, draft_count: str) -> onnx.GraphProto:
+    """Accept while the target's argmax equals the draft; bonus = argmax of the next row."""
+    g = GraphBody("greedy_", opset)
+    choices = g.op("ArgMax", logits, axis=-1, keepdims=0)
+    matches = g.op("Equal", g.first_rows(choices, draft_count), "draft_tokens")
+    accepted = leading_true_count(g, matches)
+    g.op("Identity", accepted, outputs=["greedy_accepted"])
+    g.op("Gather", choices, accepted, axis=0, outputs=["greedy_bonus"])
+    return g.graph("greedy", [("greedy_accepted", TensorProto.INT64), ("greedy_bonus", TensorProto.INT64)])
+
+
+def residual_rows(g: GraphBody, probs: str, draft_probs: str, vocab: str) -> str:
+    """`norm(max(p - q, 0))` rows with q padded by a zero row; p where the residual is empty.
+
+    Left unnormalised: sampling by inverse CDF scales by the row total anyway.
+    """
+    zero_row = g.op("ConstantOfShape", g.op("Concat", g.const([1], np.int64), vocab, axis=0),
+                    value=numpy_helper.from_array(np.zeros(1, np.float32)))
+    q_padded = g.op("Concat", draft_probs, zero_row, axis=0)
+    residual = g.op("Relu", g.op("Sub", probs, q_padded))
+    empty = g.op("LessOrEqual", g.reduce("ReduceSum", residual, [-1], keepdims=1), g.const(0.0))
+    return g.op("Where", empty, probs, residual)
+
+
+def sampling_branch(opset: int, logits: str, draft_count: str) -> onnx.GraphProto:
+    """Leviathan et al.: accept d_j when u_j * q_j(d_j) < p_j(d_j); bonus from the residual."""
+    g = GraphBody("sampling_", opset)
+    probs = logits_to_probs(g, logits, "temperature", "top_k", "top_p")
+    vocab = vocab_size(g, probs)
+    draft_probs = g.op("Cast", "draft_probs", to=TensorProto.FLOAT)
+    draft_index = g.op("Unsqueeze", "draft_tokens", g.const([1], np.int64))
+    axis_1 = g.const([1], np.int64)
+    p_draft = g.op("Squeeze", g.op("GatherElements", g.first_rows(probs, draft_count), draft_index, axis=1), axis_1)
+    q_draft = g.op("Squeeze", g.op("GatherElements", draft_probs, draft_index, axis=1), axis_1)
+    u_accept = g.first_rows("uniforms", draft_count)
+    accepted = leading_true_count(g, g.op("Less", g.op("Mul", u_accept, q_draft), p_draft))
+    u_bonus = g.op("Gather", "uniforms", g.op("Squeeze", draft_count, g.const([0], np.int64)), axis=0)
+    row = g.op("Gather", residual_rows(g, probs, draft_probs, vocab), accepted, axis=0)
+    g.op("Identity", accepted, outputs=["sampling_accepted"])
+    g.op("Identity", sample_from(g, row, u_bonus, vocab), outputs=["sampling_bonus"])
+    return g.graph("sampling", [("sampling_accepted", TensorProto.INT64), ("sampling_bonus", TensorProto.INT64)])
+
+
+def function_proto(opset: int = 17) -> onnx.FunctionProto:
+    """The op as a local function in domain `saguaro`, built from standard ops of `opset`."""
+    g = GraphBody("fv_", opset)
+    logits = g.op("Cast", "target_logits", to=TensorProto.FLOAT)
+    draft_count = g.op("Shape", "draft_tokens")
+    is_greedy = g.op("Equal", "temperature", g.const(0.0))
+    g.op("If", is_greedy, outputs=list(OUTPUTS),
+         then_branch=greedy_branch(opset, logits, draft_count),
+         else_branch=sampling_branch(opset, logits, draft_count))
+    return helper.make_function(DOMAIN, PLUGIN_NAME, list(INPUTS), list(OUTPUTS), g.nodes,
+                                [helper.make_opsetid("", opset)], attributes=list(NODE_ATTRIBUTES))
+
+
+def make_node(inputs: list[str], outputs: list[str], name: str | None = None) -> onnx.NodeProto:
+    """The custom-domain node; `plugin_namespace` / `plugin_version` let TensorRT find the plugin."""
+    if len(inputs) != len(INPUTS) or len(outputs) != len(OUTPUTS):
+        raise ValueError(f"{PLUGIN_NAME} takes inputs {INPUTS} and gives outputs {OUTPUTS}")
+    return helper.make_node(PLUGIN_NAME, inputs, outputs, name=name or PLUGIN_NAME, domain=DOMAIN,
+                            plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+
+
+def standalone_model(opset: int = 17) -> onnx.ModelProto:
+    """A model holding only the node and its function: the op runs on its own in ONNX Runtime."""
+    float_, int64 = TensorProto.FLOAT, TensorProto.INT64
+    inputs = [
+        helper.make_tensor_value_info("target_logits", float_, ["rows", "vocab"]),
+        helper.make_tensor_value_info("draft_tokens", int64, ["drafts"]),
+        helper.make_tensor_value_info("draft_probs", float_, ["drafts", "vocab"]),
+        helper.make_tensor_value_info("uniforms", float_, ["rows"]),
+        helper.make_tensor_value_info("temperature", float_, []),
+        helper.make_tensor_value_info("top_k", int64, []),
+        helper.make_tensor_value_info("top_p", float_, []),
+    ]
+    outputs = [helper.make_tensor_value_info(name, int64, []) for name in OUTPUTS]
+    graph = helper.make_graph([make_node(list(INPUTS), list(OUTPUTS))], PLUGIN_NAME, inputs, outputs)
+    return helper.make_model(graph, functions=[function_proto(opset)],
+                             opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, 1)])

@@ -1,0 +1,96 @@
+"""How many branches to pre-speculate at each depth j (the fan-out `F_j`).
+
+`StaticFanout` is the official code's fixed list. `OnlineBudget` spends a total of B
+branches where hits are likeliest: it estimates online `P(A = j)` (accepted length) and
+`P(bonus has rank r | A = j)` (rank among the draft's candidates at depth j) and gives
+each next branch to the depth whose next rank adds the most hit probability.
+`AdaptiveBudget` also chooses B itself, from measured time, so that pre-speculation
+stays hidden under verification.
+"""
+from __future__ import annotations
+
+import torch
+
+from saguaro.plugins.branch_draft.reference import candidate_scores
+
+
+class StaticFanout:
+    def __init__(self, fanout: list[int], num_draft_tokens: int):
+        if len(fanout) == 1:
+            fanout = fanout * (num_draft_tokens + 1)
+        if len(fanout) != num_draft_tokens + 1:
+            raise ValueError(f"fanout needs 1 or K+1 = {num_draft_tokens + 1} values, got {fanout}")
+        self._fanout = torch.tensor(fanout, dtype=torch.int64)
+
+    @property
+    def max_branches(self) -> int:
+        return int(self._fanout.sum())
+
+    def fanout(self) -> torch.Tensor:
+        return self._fanout
+
+    def observe(self, accepted: int, bonus_rank: int) -> None:
+        pass
+
+    def observe_timing(self, verify_s: float, prespeculate_s: float) -> None:
+        pass
+
+
+class OnlineBudget:
+    """Laplace-smoothed counts with a geometric prior on the accepted length."""
+
+    def __init__(self, budget: int, num_draft_tokens: int, prior_acceptance: float = 0.5,
+                 prior_weight: float = 4.0):
+        self.budget, self.k = budget, num_draft_tokens
+        depth = torch.arange(num_draft_tokens + 1, dtype=torch.float64)
+        geometric = prior_acceptance ** depth * (1 - prior_acceptance)
+        geometric[-1] = prior_acceptance ** num_draft_tokens  # all K accepted
+        self.accepted_counts = prior_weight * geometric / geometric.sum()
+        # ranks 0..budget-1 plus a last column for "outside the budget"
+        self.ranks = budget
+        rank_prior = 1.0 / torch.arange(1, budget + 2, dtype=torch.float64)
+        self.rank_counts = (prior_weight * rank_prior / rank_prior.sum()).repeat(num_draft_tokens + 1, 1)
+
+    @property
+    def max_branches(self) -> int:
+        return self.ranks
+
+    def fanout(self) -> torch.Tensor:
+        p_depth = self.accepted_counts / self.accepted_counts.sum()
+        p_rank = self.rank_counts / self.rank_counts.sum(1, keepdim=True)
+        hit_gain = p_depth.unsqueeze(1) * p_rank[:, :-1]
+        fanout = torch.zeros(self.k + 1, dtype=torch.int64)
+        rows = torch.arange(self.k + 1)
+        for _ in range(self.budget):
+            next_gain = hit_gain[rows, fanout.clamp(max=self.ranks - 1)]
+            next_gain[fanout >= self.ranks] = -1.0
+            fanout[int(torch.argmax(next_gain))] += 1
+        return fanout
+
+    def observe(self, accepted: int, bonus_rank: int) -> None:
+        self.accepted_counts[accepted] += 1
+        self.rank_counts[accepted, min(bonus_rank, self.ranks)] += 1
+
+    def observe_timing(self, verify_s: float, prespeculate_s: float) -> None:
+        pass
+
+
+class AdaptiveBudget(OnlineBudget):
+    """B follows the measured costs, between 1 and `cap`: one branch fewer after a round
+    whose pre-speculation outlasted its verification, one more after a round that left a
+    quarter of the verification idle. Branch keys are placed as in `OnlineBudget`."""
+
+    def __init__(self, cap: int, num_draft_tokens: int):
+        super().__init__(cap, num_draft_tokens)
+
+    def observe_timing(self, verify_s: float, prespeculate_s: float) -> None:
+        if prespeculate_s > verify_s and self.budget > 1:
+            self.budget -= 1
+        elif prespeculate_s < 0.75 * verify_s and self.budget < self.ranks:
+            self.budget += 1
+
+
+def bonus_rank(scores: torch.Tensor, draft_tokens: torch.Tensor, accepted: int, bonus: int) -> int:
+    """Rank of the bonus token among the draft's candidates at depth `accepted`."""
+    row = candidate_scores(scores, draft_tokens)[accepted]
+    return int((row > row[bonus]).sum())

@@ -1,0 +1,82 @@
+"""Generate text with a draft/target pair: autoregressive, speculative or SSD decoding.
+
+    python scripts/generate.py --mode ssd --prompt "The with statement" --max-tokens 64
+    python scripts/generate.py --engines engines/tiny --json ...
+
+Every flag is validated before a model loads; a bad value exits with code 2 and a
+message naming it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from saguaro.runtime.arguments import (DECODE_DEFAULTS, add_decoding_arguments, add_sampling_arguments,
+                                       decode_options, sampling_params)
+from saguaro.runtime.pipeline import Pipeline
+
+DEFAULT_MODELS = Path("models/tiny")
+DEFAULT_PROMPT = "The with statement is used to"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="generate.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_argument_group("models (checkpoints, or a built engine folder)")
+    source.add_argument("--target", type=Path, default=DEFAULT_MODELS / "target")
+    source.add_argument("--draft", type=Path, default=DEFAULT_MODELS / "draft")
+    source.add_argument("--engines", type=Path, help="a folder made by scripts/build_engines.py")
+    add_decoding_arguments(parser)
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--max-tokens", type=int, default=DECODE_DEFAULTS.max_tokens)
+    add_sampling_arguments(parser)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per model")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser.parse_args(argv)
+
+
+def report(pipeline, generation) -> dict:
+    stats = generation.stats.as_dict()
+    return {"prompt_ids": generation.prompt_ids, "output_ids": generation.output_ids,
+            "text": pipeline.decode(generation.output_ids), "finish_reason": generation.finish_reason,
+            "stats": stats}
+
+
+def print_human(result: dict, prompt: str) -> None:
+    stats = result["stats"]
+    print(f"{prompt}\033[1m{result['text']}\033[0m")
+    print(f"\n[{stats['mode']}] {stats['tokens']} tokens in {stats['total_s']:.3f} s "
+          f"({stats['tokens_per_s']:.1f} tok/s), {stats['rounds']} rounds, finish: {result['finish_reason']}")
+    if stats["num_draft_tokens"]:
+        print(f"acceptance {stats['acceptance_rate']:.2f} per token (mean accepted "
+              f"{stats['mean_accepted']:.2f} of K={stats['num_draft_tokens']}), histogram "
+              f"{stats['accepted_histogram']}")
+    if stats["cache_hits"] + stats["cache_misses"]:
+        print(f"speculation cache: {stats['cache_hits']} hits, {stats['cache_misses']} misses "
+              f"(hit rate {stats['cache_hit_rate']:.2f}, {stats['branches_drafted']} branches drafted)")
+    print(f"time: verify {stats['verify_s']:.3f} s, draft on critical path {stats['draft_s']:.3f} s, "
+          f"pre-speculation {stats['prespeculate_s']:.3f} s (target waited {stats['wait_s']:.3f} s)")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        options = decode_options(args, max_tokens=args.max_tokens)
+        sampling = sampling_params(args)
+        if args.engines is not None:
+            pipeline = Pipeline.load(engines=args.engines, threads=args.threads)
+        else:
+            pipeline = Pipeline.load(target=args.target, draft=args.draft, threads=args.threads)
+        prompt_ids = pipeline.encode(args.prompt)
+        pipeline.check_request(prompt_ids, options)
+    except ValueError as error:
+        print(f"generate.py: error: {error}", file=sys.stderr)
+        return 2
+    result = report(pipeline, pipeline.generate(prompt_ids, options, sampling))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_human(result, args.prompt)
+    return 0

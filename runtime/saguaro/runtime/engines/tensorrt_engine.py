@@ -1,0 +1,173 @@
+"""The `Engine` protocol over TensorRT engines (GPU), built by `scripts/build_engines.py`.
+
+Written against the documented TensorRT >= 10 Python API (`IExecutionContext` with named
+tensors: `set_input_shape`, `set_tensor_address`, `execute_async_v3`; `IOutputAllocator`
+for the data-dependent outputs of BranchDraft). TensorRT is imported only when an engine
+opens; without it the error says how to install it.
+
+The KV cache is `kv_cache.SlotKVCache` on the GPU: two device slots, the live
+cache a contiguous prefix view bound as the past input, present written straight into
+the other slot. Commit (gather) and truncation copy between slots with torch on the
+device; the engines themselves never see a host copy of the cache. Logits and branch
+plans come back to the host (the decoding loops run there); verify returns two ints.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from saguaro.plugins.branch_draft.reference import BranchPlan
+from saguaro.plugins.tensorrt_plugins import register_plugins
+from saguaro.plugins.tensorrt_registry import import_tensorrt
+from saguaro.runtime.contracts import EngineInfo, causal_mask
+from saguaro.runtime.engines.manifest import engine_info
+from saguaro.runtime.kv_cache import SlotKVCache
+from saguaro.runtime.sampling import SamplingParams
+
+
+def torch_dtype(trt, dtype) -> torch.dtype:
+    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int64: torch.int64,
+             trt.int32: torch.int32, trt.bool: torch.bool}
+    return table[dtype]
+
+
+class TensorRTGraph:
+    """One deserialized engine with its execution context and stream."""
+
+    def __init__(self, trt, runtime, plan: Path):
+        self.trt = trt
+        self.engine = runtime.deserialize_cuda_engine(plan.read_bytes())
+        if self.engine is None:
+            raise RuntimeError(f"TensorRT could not deserialize {plan} (built by another TensorRT version?)")
+        self.context = self.engine.create_execution_context()
+        self.stream = torch.cuda.Stream()
+        self.names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return torch_dtype(self.trt, self.engine.get_tensor_dtype(name))
+
+    def run(self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor],
+            allocators: dict | None = None) -> None:
+        for name, tensor in inputs.items():
+            self.context.set_input_shape(name, tuple(tensor.shape))
+            self.context.set_tensor_address(name, tensor.data_ptr())
+        for name, tensor in outputs.items():
+            self.context.set_tensor_address(name, tensor.data_ptr())
+        for name, allocator in (allocators or {}).items():
+            self.context.set_output_allocator(name, allocator)
+        if not self.context.execute_async_v3(self.stream.cuda_stream):
+            raise RuntimeError("TensorRT execution failed (see its log)")
+        self.stream.synchronize()
+
+    def output_shape(self, name: str) -> tuple[int, ...]:
+        """After the inputs' shapes are set: an output's shape (-1 where data-dependent)."""
+        return tuple(self.context.get_tensor_shape(name))
+
+
+def output_allocator(trt):
+    """An `IOutputAllocator` that keeps each data-dependent output in a torch buffer."""
+
+    class Allocator(trt.IOutputAllocator):
+        def __init__(self):
+            trt.IOutputAllocator.__init__(self)
+            self.buffers, self.shapes = {}, {}
+
+        def reallocate_output(self, tensor_name, memory, size, alignment):
+            self.buffers[tensor_name] = torch.empty(max(size, 1), dtype=torch.uint8, device="cuda")
+            return self.buffers[tensor_name].data_ptr()
+
+        def reallocate_output_async(self, tensor_name, memory, size, alignment, stream):
+            return self.reallocate_output(tensor_name, memory, size, alignment)  # TensorRT >= 10
+
+        def notify_shape(self, tensor_name, shape):
+            self.shapes[tensor_name] = tuple(shape)
+
+        def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+            shape = self.shapes[name]
+            count = int(torch.tensor(shape).prod()) if shape else 1
+            return self.buffers[name].view(dtype)[:count].view(shape)
+
+    return Allocator()
+
+
+def _device(tensor, dtype) -> torch.Tensor:
+    return torch.as_tensor(tensor).to(device="cuda", dtype=dtype).contiguous()
+
+
+class TensorRTEngine:
+    """One model's TensorRT engines (`forward`, and `verify` or `branch_draft`)."""
+
+    def __init__(self, trt, graphs: dict[str, TensorRTGraph], info: EngineInfo, tokenizer, shape: dict):
+        self.trt, self.graphs, self.info, self.tokenizer, self.limits = trt, graphs, info, tokenizer, info.limits
+        self.kv_dims = (shape["num_layers"], shape["num_kv_heads"], shape["head_dim"])
+        self.vocab_size = shape["vocab_size"]
+
+    def new_cache(self, capacity: int) -> SlotKVCache:
+        """Commits gather with torch on the device (no GatherKV engine: see the plugin's notes)."""
+        if capacity > self.limits.max_cache_entries:
+            raise ValueError(f"cache capacity {capacity} exceeds the engines' {self.limits.max_cache_entries} entries")
+        return SlotKVCache(*self.kv_dims, capacity, device="cuda")
+
+    def _step_io(self, cache, tokens, positions, mask):
+        past, count = cache.length, len(tokens)
+        if past + count > cache.capacity:
+            raise ValueError(f"KV cache overflow: {past} + {count} entries > capacity {cache.capacity}")
+        mask = causal_mask(past, count) if mask is None else mask
+        inputs = {"input_ids": _device(tokens, torch.int64)[None],
+                  "position_ids": _device(positions, torch.int64)[None],
+                  "attention_mask": _device(mask, torch.bool)[None]}
+        inputs.update(zip(("past_keys", "past_values"), cache.live()))
+        outputs = dict(zip(("present_keys", "present_values"), cache.spare(past + count)))
+        outputs["logits"] = torch.empty(1, count, self.vocab_size, device="cuda")
+        return inputs, outputs, past + count
+
+    def forward(self, cache, tokens, positions, mask=None) -> torch.Tensor:
+        inputs, outputs, length = self._step_io(cache, tokens, positions, mask)
+        self.graphs["forward"].run(inputs, outputs)
+        cache.swap(length)
+        return outputs["logits"][0].float().cpu()
+
+    def verify(self, cache, tokens, positions, draft_tokens, draft_probs, uniforms,
+               sampling: SamplingParams) -> tuple[int, int]:
+        k = len(draft_tokens)
+        if k > self.limits.max_draft_tokens:
+            raise ValueError(f"K={k} draft tokens exceeds the engines' max_draft_tokens {self.limits.max_draft_tokens}")
+        inputs, outputs, length = self._step_io(cache, tokens, positions, None)
+        probs = torch.zeros(k, self.vocab_size) if draft_probs is None else draft_probs
+        inputs.update(draft_tokens=_device(draft_tokens, torch.int64), draft_probs=_device(probs, torch.float32),
+                      uniforms=_device(uniforms, torch.float32),
+                      temperature=_device(sampling.temperature, torch.float32),
+                      top_k=_device(sampling.top_k, torch.int64), top_p=_device(sampling.top_p, torch.float32))
+        outputs.update(accepted=torch.zeros((), dtype=torch.int64, device="cuda"),
+                       bonus=torch.zeros((), dtype=torch.int64, device="cuda"))
+        self.graphs["verify"].run(inputs, outputs)  # `logits` stays on the device (debug output)
+        cache.swap(length)
+        return int(outputs["accepted"]), int(outputs["bonus"])
+
+    def plan_branches(self, scores, draft_tokens, fanout, context_length: int) -> BranchPlan:
+        branches = int(torch.as_tensor(fanout).sum())
+        if branches > self.limits.max_branches:
+            raise ValueError(f"fan-out of {branches} branches exceeds the engines' "
+                             f"max_branches {self.limits.max_branches}")
+        graph = self.graphs["branch_draft"]
+        inputs = {"scores": _device(scores, torch.float32), "draft_tokens": _device(draft_tokens, torch.int64),
+                  "fanout": _device(fanout, torch.int64), "context_length": _device(context_length, torch.int64)}
+        names = ("depth", "token", "rank", "positions", "window_mask")
+        allocator = output_allocator(self.trt)
+        graph.run(inputs, {}, {name: allocator for name in names})
+        return BranchPlan(*(allocator.tensor(name, graph.dtype(name)).cpu() for name in names))
+
+
+def open_engine(engine_dir: Path, role: str, manifest: dict, tokenizer, threads: int | None = None):
+    """The `role` engine of a validated engine directory (`threads` is for CPU backends)."""
+    trt = import_tensorrt()
+    if not torch.cuda.is_available():
+        raise RuntimeError("the tensorrt backend needs a CUDA GPU; none is visible to torch")
+    register_plugins()  # the parser mapped plugin nodes to these; deserialization needs them
+    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+    model = manifest["models"][role]
+    graphs = {kind: TensorRTGraph(trt, runtime, engine_dir / files["engine"])
+              for kind, files in model["graphs"].items() if files.get("engine")}
+    return TensorRTEngine(trt, graphs, engine_info("tensorrt", engine_dir, role, manifest), tokenizer,
+                          model["shape"])

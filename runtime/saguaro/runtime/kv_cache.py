@@ -1,0 +1,123 @@
+"""KV caches: the torch engine's preallocated buffer, and the compiled engines' two slots.
+
+Both hold one sequence. The index of an entry is not its position: branch entries of a
+draft tree sit after the prefix with positions of their own. Entries `[0, length)` are
+live; `truncate` rolls back, `gather` commits a branch (keep `[0, start)`, then the
+entries at `source_indices`, in order), `fork` copies.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from saguaro.plugins.branch_draft.reference import gather_kv
+
+
+class KVCache:
+    """The torch engine's cache: `[layers, kv_heads, capacity, head_dim]`, written in place."""
+
+    def __init__(self, shape, capacity: int, dtype: torch.dtype = torch.float32):
+        layers, heads, dim = shape.kv_shape
+        self.keys = torch.zeros(layers, heads, capacity, dim, dtype=dtype)
+        self.values = torch.zeros(layers, heads, capacity, dim, dtype=dtype)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.length = length
+
+    def gather(self, start: int, source_indices: torch.Tensor) -> None:
+        """Keep `[0, start)`, then move the entries at `source_indices` to follow it in order."""
+        gather_kv(self.keys, start, source_indices)
+        gather_kv(self.values, start, source_indices)
+        self.length = start + len(source_indices)
+
+    def fork(self) -> "KVCache":
+        twin = object.__new__(KVCache)
+        twin.keys, twin.values, twin.length = self.keys.clone(), self.values.clone(), self.length
+        return twin
+
+
+class SlotKVCache:
+    """The compiled engines' cache, for graphs that take past K/V and return present K/V
+    (`[layers, 1, kv_heads, entries, head_dim]`) without copies outside the graph.
+
+    Two flat buffers ("slots"): the live cache is a contiguous view of one slot's prefix,
+    bound as the graph's past input, and present is bound straight into the other slot,
+    which then becomes live. Only a change of layout copies, once: truncation, a branch
+    commit (a `GatherKV` graph when given, else torch) and fork. The TensorRT engine
+    keeps its slots on the GPU."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, gather_graph=None,
+                 device: str = "cpu"):
+        self.dims, self._capacity = (layers, kv_heads, head_dim), capacity
+        self._slots = torch.zeros(2, 2, layers * kv_heads * capacity * head_dim, device=device)  # [slot, k/v, flat]
+        self._live = 0
+        self._gather_graph = gather_graph  # runs GatherKV; None: gather with torch
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def view(self, slot: int, entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys, values of `slot` laid out for `entries` entries: contiguous, batch 1."""
+        layers, heads, dim = self.dims
+        size = layers * heads * entries * dim
+        return tuple(self._slots[slot, i, :size].view(layers, 1, heads, entries, dim) for i in (0, 1))
+
+    def live(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.view(self._live, self.length)
+
+    def spare(self, entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.view(1 - self._live, entries)
+
+    def swap(self, length: int) -> None:
+        """The spare slot, just written with `length` entries, becomes the live one."""
+        self._live, self.length = 1 - self._live, length
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        if length == self.length:
+            return
+        for source, target in zip(self.live(), self.spare(length)):
+            _copy(target, source[:, :, :, :length])
+        self.swap(length)
+
+    def gather(self, start: int, source_indices: torch.Tensor) -> None:
+        """Keep `[0, start)`, then the entries at `source_indices`, in order (a branch commit)."""
+        source_indices = torch.as_tensor(source_indices, dtype=torch.int64).contiguous()
+        count = len(source_indices)
+        if not 0 <= start <= self.length or (count and not 0 <= int(source_indices.min())
+                                               <= int(source_indices.max()) < self.length):
+            raise ValueError(f"gather({start}, {source_indices.tolist()}) is outside the "
+                             f"cache's {self.length} entries")
+        if self._gather_graph is not None:
+            self._gather_graph(self.live(), start, source_indices, self.spare(start + count))
+        else:
+            for source, target in zip(self.live(), self.spare(start + count)):
+                _copy(target[:, :, :, :start], source[:, :, :, :start])
+                _copy(target[:, :, :, start:], source[:, :, :, source_indices])
+        self.swap(start + count)
+
+    def fork(self) -> "SlotKVCache":
+        twin = SlotKVCache(*self.dims, self._capacity, self._gather_graph, self._slots.device)
+        for source, target in zip(self.live(), twin.view(0, self.length)):
+            _copy(target, source)
+        twin.length = self.length
+        return twin
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    """Host copies go through numpy: single-threaded, so no torch OpenMP pool wakes up and
+    spins on the core the other model runs on (measured: 3-4x slower ORT steps)."""
+    if target.device.type == "cpu":
+        np.copyto(target.numpy(), source.numpy())
+    else:
+        target.copy_(source)

@@ -1,0 +1,208 @@
+"""A pure-torch Llama that runs Hugging Face Llama checkpoints against an explicit KV cache.
+
+Why not `LlamaForCausalLM` itself: speculative decoding needs control the Hugging Face
+forward does not give cleanly: arbitrary positions and a full boolean attention mask per
+query (tree/branch drafting), truncation, and gathering cache entries to commit a branch.
+The layer math is written once here and used by both forms the project needs:
+
+- `forward_cached`: writes new K/V into a preallocated cache in place (the torch engine);
+- `forward_concat`: takes past K/V and returns present K/V (the ONNX export form).
+Parameter names match Hugging Face's, so a checkpoint's state dict loads unchanged.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The architecture numbers of a Llama checkpoint (read from its config.json)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # Hugging Face `rope_parameters` beyond the base: rope_type "linear" or "llama3" and
+    # their numbers, as sorted (key, value) pairs (hashable); empty for plain RoPE.
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: tuple = ()
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """Per-layer cache entry shape without the sequence axis: (layers, kv heads, head dim)."""
+        return self.num_layers, self.num_kv_heads, self.head_dim
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: LlamaShape):
+        super().__init__()
+        h, d = shape.hidden_size, shape.head_dim
+        self.q_proj = nn.Linear(h, shape.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, shape.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, shape.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(shape.num_heads * d, h, bias=False)
+        self.shape = shape
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: LlamaShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: LlamaShape):
+        super().__init__()
+        self.self_attn = Attention(shape)
+        self.mlp = MLP(shape)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+
+class LlamaBody(nn.Module):
+    """Holds the parameters under Hugging Face's names (`model.layers.0.self_attn.q_proj`...)."""
+
+    def __init__(self, shape: LlamaShape):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+
+def rope_inverse_frequencies(shape: LlamaShape) -> torch.Tensor:
+    """RoPE frequencies, with Hugging Face's "linear" or "llama3" scaling when configured."""
+    dim = shape.head_dim
+    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling = dict(shape.rope_scaling)
+    kind = scaling.get("rope_type")
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return llama3_frequencies(inv_freq, scaling)
+    return inv_freq
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3's rule: long wavelengths slowed by `factor`, short ones kept, a smooth
+    blend between (wavelengths measured against the original context)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    blend = (original / wavelength - low) / (high - low)
+    smoothed = (1 - blend) * scaled / factor + blend * scaled
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables for `positions` `[batch, n]` -> two `[batch, 1, n, head_dim]` tensors."""
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked attention; `mask` `[batch, n, total]` is True where a query may look."""
+    groups = q.shape[1] // keys.shape[1]
+    if groups > 1:  # grouped-query attention: each K/V head serves `groups` query heads
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(1))
+
+
+class Llama(nn.Module):
+    def __init__(self, shape: LlamaShape):
+        super().__init__()
+        self.shape = shape
+        self.model = LlamaBody(shape)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        if shape.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.inv_freq = rope_inverse_frequencies(shape)  # a constant, not a parameter
+
+    def _project_qkv(self, layer: DecoderLayer, h: torch.Tensor, cos, sin):
+        batch, n, _ = h.shape
+        attn, d = layer.self_attn, self.shape.head_dim
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x).view(batch, n, -1, d).transpose(1, 2)
+        k = attn.k_proj(x).view(batch, n, -1, d).transpose(1, 2)
+        v = attn.v_proj(x).view(batch, n, -1, d).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _finish_layer(self, layer: DecoderLayer, h, q, keys, values, mask) -> torch.Tensor:
+        batch, n, _ = h.shape
+        out = attend(q, keys, values, mask).transpose(1, 2).reshape(batch, n, -1)
+        h = h + layer.self_attn.o_proj(out)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(h)).float()
+
+    def forward_concat(self, input_ids, position_ids, attention_mask, past_keys, past_values):
+        """Export form. `past_*` `[layers, batch, kv_heads, past, head_dim]`;
+        `attention_mask` `[batch, n, past + n]` bool. Returns logits and present K/V."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq)
+        present_keys, present_values = [], []
+        for i, layer in enumerate(self.model.layers):
+            q, k, v = self._project_qkv(layer, h, cos, sin)
+            keys = torch.cat((past_keys[i], k), dim=2)
+            values = torch.cat((past_values[i], v), dim=2)
+            present_keys.append(keys)
+            present_values.append(values)
+            h = self._finish_layer(layer, h, q, keys, values, attention_mask)
+        return self._logits(h), torch.stack(present_keys), torch.stack(present_values)
+
+    @torch.inference_mode()
+    def forward_cached(self, cache, tokens: torch.Tensor, positions: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """Engine form, batch 1, over a `kv_cache.KVCache`. `tokens`, `positions` `[n]`;
+        `mask` `[n, cache.length + n]`.
+        Appends n entries to `cache` and returns logits `[n, vocab]`."""
+        start, n = cache.length, len(tokens)
+        if start + n > cache.capacity:
+            raise ValueError(f"KV cache overflow: {start} + {n} entries > capacity {cache.capacity}")
+        h = self.model.embed_tokens(tokens.unsqueeze(0))
+        cos, sin = rope_cos_sin(positions.unsqueeze(0), self.inv_freq)
+        for i, layer in enumerate(self.model.layers):
+            q, k, v = self._project_qkv(layer, h, cos, sin)
+            cache.keys[i, :, start:start + n] = k[0]
+            cache.values[i, :, start:start + n] = v[0]
+            keys = cache.keys[i, :, :start + n].unsqueeze(0)
+            values = cache.values[i, :, :start + n].unsqueeze(0)
+            h = self._finish_layer(layer, h, q, keys, values, mask.unsqueeze(0))
+        cache.length = start + n
+        return self._logits(h)[0]

@@ -1,0 +1,95 @@
+"""Decoding options, validated before any work starts; errors name the offending value.
+
+`DecodeOptions` is the one home of every decoding default (K, fan-out, mode, length):
+command lines and the server read their defaults from it. `parse_fanout` and
+`parse_budget` are the one parser of each knob's text form ("3" or "3,3,2,1,1"; "8" or
+"auto"), shared by every command line and by the serving configuration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from saguaro.runtime.budget import AdaptiveBudget, OnlineBudget, StaticFanout
+from saguaro.runtime.sampling import SaguaroSampling, SamplingParams
+
+MODES = ("autoregressive", "speculative", "ssd")
+DEFAULT_FANOUT = (3,)  # the official code's static default: 3 candidates at every depth
+AUTO_BUDGET_CAP = 16   # budget "auto": B adapts within [1, 16] (or the engines' built maximum)
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    mode: str = "ssd"
+    num_draft_tokens: int = 4
+    fanout: tuple[int, ...] = DEFAULT_FANOUT  # F_j: one value for every depth, or K+1 values
+    budget: int | str | None = None           # instead of fanout: B branches placed online;
+                                              # "auto": B chosen from measured time as well
+    saguaro_factor: float | None = None       # Saguaro sampling (temperature > 0) when set
+    prespeculate: bool = True                 # ssd only; off reduces ssd to speculative
+    max_tokens: int = 64
+    eos_token_id: int | None = None           # None: the model's; -1: never stop early
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"decoding mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        if not (isinstance(self.num_draft_tokens, int) and self.num_draft_tokens >= 0):
+            raise ValueError(f"num_draft_tokens (K) must be an integer >= 0, got {self.num_draft_tokens!r}")
+        if not (self.fanout and all(isinstance(f, int) and f >= 0 for f in self.fanout)):
+            raise ValueError(f"fanout must be integers >= 0, got {self.fanout!r}")
+        if len(self.fanout) not in (1, self.num_draft_tokens + 1):
+            raise ValueError(f"fanout needs 1 or K+1 = {self.num_draft_tokens + 1} values, got {list(self.fanout)}")
+        if self.budget not in (None, "auto") and not (isinstance(self.budget, int) and self.budget >= 1):
+            raise ValueError(f"budget must be an integer >= 1 or 'auto', got {self.budget!r}")
+        if self.saguaro_factor is not None:
+            SaguaroSampling(top=1, factor=self.saguaro_factor)  # validates the factor
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+
+    @property
+    def draft_tokens(self) -> int:
+        """K as the loops use it: autoregressive decoding drafts nothing."""
+        return 0 if self.mode == "autoregressive" else self.num_draft_tokens
+
+    @property
+    def prespeculating(self) -> bool:
+        return self.mode == "ssd" and self.prespeculate and self.num_draft_tokens > 0
+
+    def fanout_policy(self, max_branches: int | None = None) -> StaticFanout | OnlineBudget:
+        """The branch policy; `max_branches` caps an "auto" budget (the engines' limit)."""
+        if self.budget == "auto":
+            return AdaptiveBudget(min(AUTO_BUDGET_CAP, max_branches or AUTO_BUDGET_CAP), self.num_draft_tokens)
+        if self.budget is not None:
+            return OnlineBudget(self.budget, self.num_draft_tokens)
+        return StaticFanout(list(self.fanout), self.num_draft_tokens)
+
+    def saguaro(self, sampling: SamplingParams) -> SaguaroSampling | None:
+        """Saguaro rescaling covers the draft's top max(F)+1 tokens (the cached keys and
+        the draft's own pick); greedy decoding has nothing to rescale."""
+        if self.saguaro_factor is None or sampling.greedy:
+            return None
+        if self.budget is None:
+            widest = max(self.fanout)
+        else:
+            widest = AUTO_BUDGET_CAP if self.budget == "auto" else self.budget
+        return SaguaroSampling(top=widest + 1, factor=self.saguaro_factor)
+
+
+def parse_fanout(text: str) -> tuple[int, ...]:
+    """"3" (every depth) or "3,3,2,1,1" (one value per depth 0..K)."""
+    try:
+        fanout = tuple(int(part) for part in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"fanout takes integers like 3 or 3,3,2,1,1; got {text!r}") from None
+    if any(f < 0 for f in fanout):
+        raise ValueError(f"fanout values must be >= 0; got {text!r}")
+    return fanout
+
+
+def parse_budget(text: str) -> int | str:
+    """A number of branches, or "auto"."""
+    if str(text).strip() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"budget takes an integer or 'auto'; got {text!r}") from None

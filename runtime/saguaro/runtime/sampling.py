@@ -1,0 +1,87 @@
+"""Sampling parameters (validated once, up front) and the draft's proposal distribution."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from saguaro.plugins.probs import logits_to_probs, saguaro_rescale, sample_from
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1 turn those filters off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class SaguaroSampling:
+    """Saguaro sampling: the draft scales its `top` most likely tokens by `factor`."""
+
+    top: int
+    factor: float
+
+    def __post_init__(self):
+        if not 0 < self.factor <= 1:
+            raise ValueError(f"saguaro factor must be in (0, 1], got {self.factor!r}")
+
+
+def draft_distribution(logits: torch.Tensor, params: SamplingParams,
+                       saguaro: SaguaroSampling | None = None) -> torch.Tensor:
+    """The q the draft samples from (and that verification must use): `[..., V]`."""
+    probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
+    return saguaro_rescale(probs, saguaro.top, saguaro.factor) if saguaro else probs
+
+
+def pick_tokens(logits: torch.Tensor, params: SamplingParams, saguaro: SaguaroSampling | None,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft tokens for rows of logits, each to sit at `positions`: argmax when greedy, else
+    sampled from q (returned) with the draft's keyed uniform for that position."""
+    if params.greedy:
+        return torch.argmax(logits, dim=-1), None
+    q = draft_distribution(logits, params, saguaro)
+    return sample_from(q, keyed_uniforms(params.seed, DRAFT_STREAM, positions)), q
+
+
+# Counter-based randomness: the uniform a sampling decision uses is a pure function of
+# (request seed, purpose, absolute position). A draft token for position i is therefore
+# the same whether it was pre-speculated in a branch or drafted after a miss, so SSD gives
+# exactly speculative decoding's output for a seed, whatever the branch budget or thread
+# timing. Each position's acceptance test and each round's bonus draw happen once; a draft
+# uniform is reused only for positions whose earlier drafts never reached verification.
+DRAFT_STREAM, ACCEPT_STREAM, BONUS_STREAM = 1, 2, 3
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def keyed_uniforms(seed: int, stream: int, positions) -> torch.Tensor:
+    """Uniforms in [0, 1), one per position, exact in float32 (24 random bits each)."""
+    key = _splitmix64(np.array([(seed * 0xD1B54A32D192ED03 + stream) & _MASK64], dtype=np.uint64))
+    counters = np.asarray(positions, dtype=np.int64).astype(np.uint64)
+    bits = _splitmix64(key ^ (counters * np.uint64(0x9E3779B97F4A7C15)))
+    return torch.from_numpy((bits >> np.uint64(40)).astype(np.float32) / np.float32(1 << 24))

@@ -1,0 +1,92 @@
+"""The draft side: ordinary drafting, pre-speculation of likely outcomes, branch commit.
+
+The speculator owns the draft engine's KV cache. `cached` lists the tokens whose KV fills
+the cache's linear prefix; everything after it (branch entries of a pre-speculation tree)
+is scratch. Every call brings the cache in line with the committed context first, so a
+round can follow any earlier one: a hit, a miss, or plain speculative decoding.
+"""
+from __future__ import annotations
+
+import torch
+
+from saguaro.plugins.branch_draft.reference import commit_indices, step_mask
+from saguaro.runtime.contracts import Draft, SpeculationCache
+from saguaro.runtime.sampling import SaguaroSampling, SamplingParams, pick_tokens
+
+
+class Speculator:
+    def __init__(self, engine, num_draft_tokens: int, sampling: SamplingParams,
+                 saguaro: SaguaroSampling | None, capacity: int):
+        self.engine, self.k = engine, num_draft_tokens
+        self.sampling, self.saguaro = sampling, saguaro
+        self.cache = engine.new_cache(capacity)
+        self.cached: list[int] = []
+
+    def _feed(self, tokens: list[int], first_position: int) -> torch.Tensor:
+        positions = torch.arange(first_position, first_position + len(tokens))
+        logits = self.engine.forward(self.cache, torch.tensor(tokens), positions)
+        self.cached.extend(tokens)
+        return logits[-1]
+
+    def _sync(self, ids: list[int]) -> torch.Tensor:
+        """Roll the cache back to what it shares with `ids`, feed the rest, return the
+        logits that follow `ids` (the last token is re-fed if it was already cached)."""
+        shared = 0
+        for cached, wanted in zip(self.cached, ids[:-1]):
+            if cached != wanted:
+                break
+            shared += 1
+        self.cache.truncate(shared)
+        del self.cached[shared:]
+        return self._feed(ids[shared:], shared)
+
+    def draft(self, ids: list[int]) -> Draft:
+        """Ordinary drafting: K tokens from `ids`, one forward each (the last not fed)."""
+        if self.k == 0:
+            vocab = self.engine.info.vocab_size
+            return Draft(torch.empty(0, dtype=torch.int64),
+                         None if self.sampling.greedy else torch.empty(0, vocab), torch.empty(0, vocab))
+        logits = self._sync(ids)
+        tokens, probs, rows = [], [], []
+        for step in range(self.k):
+            token, q = pick_tokens(logits, self.sampling, self.saguaro, torch.tensor(len(ids) + step))
+            tokens.append(int(token))
+            probs.append(q)
+            rows.append(logits)
+            if step < self.k - 1:
+                logits = self._feed([tokens[-1]], len(ids) + step)
+        return Draft(torch.tensor(tokens), None if self.sampling.greedy else torch.stack(probs),
+                     torch.stack(rows))
+
+    def prespeculate(self, ids: list[int], draft: Draft, fanout: torch.Tensor) -> SpeculationCache:
+        """While the target verifies `draft`: draft K tokens for each likely outcome (j, t),
+        all branches advancing together in one tree forward per step."""
+        context_length = len(ids)
+        glue = self._feed([int(draft.tokens[-1])], context_length + self.k - 1)
+        scores = torch.cat((draft.logits, glue.unsqueeze(0)))
+        plan = self.engine.plan_branches(scores, draft.tokens, fanout, context_length)
+        branches = plan.branches
+        fed, step_probs, step_logits = [plan.token], [], []
+        for step in range(self.k):
+            mask = step_mask(plan.window_mask, context_length, step, branches, self.k)
+            logits = self.engine.forward(self.cache, fed[-1], plan.positions[step], mask)
+            tokens, q = pick_tokens(logits, self.sampling, self.saguaro, plan.positions[step] + 1)
+            fed.append(tokens)
+            step_logits.append(logits)
+            step_probs.append(q)
+        drafted = torch.stack(fed[1:], dim=1)  # [B, K]: e_1..e_K of each branch
+        logits = torch.stack(step_logits, dim=1)
+        probs = None if self.sampling.greedy else torch.stack(step_probs, dim=1)
+        drafts = [Draft(drafted[b], None if probs is None else probs[b], logits[b]) for b in range(branches)]
+        keys = {(int(j), int(t)): b for b, (j, t) in enumerate(zip(plan.depth, plan.token))}
+        return SpeculationCache(keys, drafts, scores, context_length)
+
+    def adopt(self, new_ids: list[int], speculation: SpeculationCache, branch: int) -> Draft:
+        """A hit: the branch's KV (its key token and K-1 drafts) joins the committed prefix."""
+        accepted = len(new_ids) - 1 - speculation.context_length
+        sources = commit_indices(speculation.context_length, self.k, len(speculation.drafts),
+                                 branch, self.k)
+        self.cache.gather(speculation.context_length + accepted, sources)
+        draft = speculation.drafts[branch]
+        self.cached = list(new_ids) + draft.tokens[:-1].tolist()
+        return draft

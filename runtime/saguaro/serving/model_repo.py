@@ -1,0 +1,190 @@
+"""Fill the Triton model repository templates (`model_repo/`) into a run folder.
+
+    python scripts/prepare_model_repo.py --engines engines/tiny --out .triton/model_repo
+    python scripts/prepare_model_repo.py --target models/tiny/target --draft models/tiny/draft \
+        --out .triton/model_repo
+
+The tensorrtllm_backend way (its `fill_template.py`): each `config.pbtxt` is a template
+whose `${key}` placeholders are substituted from one mapping; a placeholder without a
+value, a value no template uses, or a placeholder left after filling is an error. The
+values come from the engine manifest (tokenizer folder, BOS id, the limits the engines
+were built for) or from the checkpoints, plus the default SSD knobs. The templates are
+never edited in place: the filled copy goes to `--out`.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from saguaro.runtime.arguments import DECODE_DEFAULTS, add_decoding_arguments
+from saguaro.runtime.checkpoint import read_config
+from saguaro.runtime.engines.manifest import read_manifest
+from saguaro.runtime.options import DecodeOptions
+
+PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
+DEFAULT_MAX_CONCURRENCY = 8
+
+
+def templates_dir() -> Path:
+    """The templates: packaged inside `saguaro.serving` in a wheel, or the checkout's own
+    top-level `model_repo/` when the project runs from its source tree."""
+    packaged = Path(__file__).resolve().parent / "model_repo"
+    if (packaged / "ensemble" / "config.pbtxt").is_file():
+        return packaged
+    checkout = Path(__file__).resolve().parents[3] / "model_repo"  # runtime/saguaro/serving/ -> root
+    if (checkout / "ensemble" / "config.pbtxt").is_file():
+        return checkout
+    raise FileNotFoundError(f"no model repository templates in {packaged} or {checkout}")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the models and their tokenizer are, and what the engines were built for."""
+
+    tokenizer_dir: Path
+    bos_token_id: int | None
+    engines_dir: Path | None = None
+    target_dir: Path | None = None
+    draft_dir: Path | None = None
+    max_draft_tokens: int | None = None  # None: checkpoints have no built limit
+    max_branches: int | None = None
+
+
+def source_from_engines(engines_dir: Path) -> ModelSource:
+    """Raises ManifestError naming what is wrong with the folder."""
+    engines_dir = Path(engines_dir).resolve()
+    manifest = read_manifest(engines_dir)
+    build = manifest["build"]
+    return ModelSource(tokenizer_dir=engines_dir / manifest["tokenizer"]["dir"],
+                       bos_token_id=manifest["models"]["target"].get("bos_token_id"),
+                       engines_dir=engines_dir, max_draft_tokens=build.get("max_draft_tokens"),
+                       max_branches=build.get("max_branches"))
+
+
+def source_from_checkpoints(target_dir: Path, draft_dir: Path) -> ModelSource:
+    """Raises CheckpointError naming the folder that is not a checkpoint."""
+    target_dir, draft_dir = Path(target_dir).resolve(), Path(draft_dir).resolve()
+    config = read_config(target_dir)
+    read_config(draft_dir)
+    return ModelSource(tokenizer_dir=target_dir, bos_token_id=config.get("bos_token_id"),
+                       target_dir=target_dir, draft_dir=draft_dir)
+
+
+def default_options(source: ModelSource, mode: str, num_draft_tokens: int | None,
+                    fanout: tuple[int, ...] | None, budget: int | str | None) -> DecodeOptions:
+    """The knobs a request gets when it gives none: `DecodeOptions`' defaults, with K and
+    the fan-out shrunk to fit what the engines were built for unless given explicitly
+    (then they must fit)."""
+    k = num_draft_tokens
+    if k is None:
+        k = min(DECODE_DEFAULTS.num_draft_tokens, source.max_draft_tokens or DECODE_DEFAULTS.num_draft_tokens)
+    if fanout is None and budget is None and source.max_branches is not None:
+        fanout = (max(1, min(max(DECODE_DEFAULTS.fanout), source.max_branches // (k + 1))),)
+    options = DecodeOptions(mode=mode, num_draft_tokens=k, fanout=fanout or DECODE_DEFAULTS.fanout, budget=budget)
+    if source.max_draft_tokens is not None and k > source.max_draft_tokens:
+        raise ValueError(f"--num-draft-tokens {k} exceeds the engines' built maximum {source.max_draft_tokens}")
+    branches = options.fanout_policy(source.max_branches).max_branches
+    if source.max_branches is not None and options.prespeculating and branches > source.max_branches:
+        raise ValueError(f"{branches} branches exceed the engines' built maximum {source.max_branches}")
+    return options
+
+
+def template_values(source: ModelSource, options: DecodeOptions, max_concurrency: int) -> dict[str, str]:
+    def text(value) -> str:
+        return "" if value is None else str(value)
+
+    return {"engines_dir": text(source.engines_dir), "target_dir": text(source.target_dir),
+            "draft_dir": text(source.draft_dir), "tokenizer_dir": str(source.tokenizer_dir),
+            "bos_token_id": text(source.bos_token_id),
+            "default_decoding_mode": options.mode,
+            "default_num_draft_tokens": str(options.num_draft_tokens),
+            "default_fanout": ",".join(map(str, options.fanout)), "default_budget": text(options.budget),
+            "max_concurrency": str(max_concurrency)}
+
+
+def fill(template: str, values: dict[str, str], where: str) -> str:
+    """Substitute every `${key}`; a key without a value is an error naming it."""
+    def value_of(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in values:
+            raise KeyError(f"{where}: no value for template parameter ${{{name}}}")
+        return values[name].replace("\\", "\\\\").replace('"', '\\"')  # a pbtxt string
+
+    return PLACEHOLDER.sub(value_of, template)
+
+
+def placeholders(text: str) -> set[str]:
+    return set(PLACEHOLDER.findall(text))
+
+
+def prepare_model_repo(out: Path, values: dict[str, str], templates: Path | None = None) -> Path:
+    """A filled copy of the templates at `out` (replacing an earlier prepared copy)."""
+    templates = (templates or templates_dir()).resolve()
+    out = Path(out).resolve()
+    if out == templates or templates in out.parents:
+        raise ValueError(f"--out {out} is inside the templates folder {templates}")
+    if out.exists():
+        if not (out / "ensemble" / "config.pbtxt").is_file():
+            raise ValueError(f"--out {out} exists and is not a prepared model repository; not replacing it")
+        shutil.rmtree(out)
+    configs = sorted(templates.glob("*/config.pbtxt"))
+    unused = set(values) - set().union(*(placeholders(c.read_text()) for c in configs))
+    if unused:
+        raise KeyError(f"template values {sorted(unused)} are used by no config.pbtxt in {templates}")
+    shutil.copytree(templates, out, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".gitkeep"))
+    for config in out.glob("*/config.pbtxt"):
+        config.write_text(fill(config.read_text(), values, str(config.relative_to(out))))
+        (config.parent / "1").mkdir(exist_ok=True)  # Triton needs a version folder, even an ensemble's
+    return out
+
+
+def add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to serve and the default SSD knobs (shared with `launch`)."""
+    source = parser.add_argument_group("models: a built engine folder, or two checkpoints")
+    source.add_argument("--engines", type=Path, help="a folder made by scripts/build_engines.py")
+    source.add_argument("--target", type=Path, help="target Hugging Face checkpoint folder")
+    source.add_argument("--draft", type=Path, help="draft Hugging Face checkpoint folder")
+    knobs = parser.add_argument_group("what a request gets for the SSD knobs it leaves out "
+                                      "(K and the fan-out are capped by the engines' limits)")
+    add_decoding_arguments(knobs, defaults=None, per_request_flags=False)
+    parser.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
+                        help="generations running at once")
+
+
+def values_from_args(args: argparse.Namespace) -> dict[str, str]:
+    """Checked template values for parsed flags; ValueError names the flag at fault."""
+    if args.engines is not None:
+        if args.target or args.draft:
+            raise ValueError("give --engines or --target/--draft, not both")
+        source = source_from_engines(args.engines)
+    elif args.target is not None and args.draft is not None:
+        source = source_from_checkpoints(args.target, args.draft)
+    else:
+        raise ValueError("give --engines DIR, or both --target DIR and --draft DIR")
+    if args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    options = default_options(source, args.mode, args.num_draft_tokens, args.fanout, args.budget)
+    return template_values(source, options, args.max_concurrency)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="prepare_model_repo.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_source_arguments(parser)
+    parser.add_argument("--out", type=Path, default=Path(".triton") / "model_repo")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        out = prepare_model_repo(args.out, values_from_args(args))
+    except ValueError as error:  # ManifestError and CheckpointError are ValueErrors too
+        print(f"prepare_model_repo: {error}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0

@@ -1,0 +1,278 @@
+"""Serving logic shared by the Triton models and the tests, with no Triton import.
+
+A request arrives as named numpy arrays (Triton's tensors); `parse_request` validates all
+of them before any model runs and raises `RequestError` naming the input at fault.
+`run_request` drives one generation and turns its rounds into response arrays: one per
+round when streaming, else one at the end; the final one carries the request's stats.
+The input names are the ensemble's (tensorrtllm_backend's text interface plus the SSD
+knobs), so an error names what the client actually sent.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from saguaro.runtime.checkpoint import load_tokenizer
+from saguaro.runtime.detokenizer import prefix_window
+from saguaro.runtime.options import DecodeOptions, parse_budget, parse_fanout
+from saguaro.runtime.pipeline import RequestError
+from saguaro.runtime.sampling import SamplingParams
+
+GetInput = Callable[[str], "np.ndarray | None"]  # None when the request lacks the input
+Send = Callable[[dict, bool], None]  # (response arrays, whether this is the final response)
+
+
+def model_parameters(args: dict) -> dict[str, str]:
+    """A Triton model's `config.pbtxt` parameters, from the `args` given to `initialize`."""
+    config = json.loads(args["model_config"])
+    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+
+
+def defaults_from_parameters(parameters: dict[str, str]) -> DecodeOptions:
+    """What a request gets for the SSD knobs it leaves out: the `default_*` parameters of
+    `config.pbtxt`, else `DecodeOptions`' own defaults. Checked at load, not per request."""
+    given = {key: value.strip() for key, value in parameters.items() if value.strip()}
+    fields = {}
+    if "default_decoding_mode" in given:
+        fields["mode"] = given["default_decoding_mode"]
+    if "default_num_draft_tokens" in given:
+        fields["num_draft_tokens"] = int(given["default_num_draft_tokens"])
+    if "default_fanout" in given:
+        fields["fanout"] = parse_fanout(given["default_fanout"])
+    if "default_budget" in given:
+        fields["budget"] = parse_budget(given["default_budget"])
+    return DecodeOptions(**fields)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    max_context: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class ServingRequest:
+    prompt_ids: list[int]
+    options: DecodeOptions
+    sampling: SamplingParams
+    stream: bool = False
+    stop_sequences: list[list[int]] = field(default_factory=list)
+
+
+def scalar(get: GetInput, name: str):
+    """The one value of an optional input, as a Python value (None when absent)."""
+    array = get(name)
+    if array is None:
+        return None
+    if array.size != 1:
+        raise RequestError(f"input '{name}' must hold exactly one value, got shape {list(array.shape)}")
+    value = array.reshape(-1)[0]
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value.item()
+
+
+def given_or(value, default):
+    return default if value is None else value
+
+
+def ids_of(get: GetInput, name: str) -> list[int] | None:
+    array = get(name)
+    return None if array is None else [int(i) for i in np.asarray(array).reshape(-1)]
+
+
+def build_naming_inputs(cls, named_values: list[tuple[str, str, object]]):
+    """Construct `cls` adding one input at a time, so its ValueError names the input."""
+    kwargs = {}
+    for input_name, field_name, value in named_values:
+        if value is None:
+            continue
+        kwargs[field_name] = value
+        try:
+            cls(**kwargs)
+        except ValueError as error:
+            raise RequestError(f"input '{input_name}': {error}") from None
+    return cls(**kwargs)
+
+
+def parse_prompt(get: GetInput, limits: ModelLimits) -> list[int]:
+    prompt_ids = ids_of(get, "input_ids")
+    if not prompt_ids:
+        raise RequestError("input 'input_ids' is missing or empty: give at least one token")
+    if len(prompt_ids) >= limits.max_context:
+        raise RequestError(f"input 'input_ids': a prompt of {len(prompt_ids)} tokens leaves no room "
+                           f"in the context of {limits.max_context} tokens")
+    return prompt_ids
+
+
+def parse_max_tokens(get: GetInput, prompt_length: int, limits: ModelLimits) -> int:
+    max_tokens = scalar(get, "max_tokens")
+    if max_tokens is None:
+        raise RequestError("input 'max_tokens' is required")
+    room = limits.max_context - prompt_length
+    if max_tokens > room:
+        raise RequestError(f"input 'max_tokens': {max_tokens} new tokens after a prompt of "
+                           f"{prompt_length} tokens exceed the context of {limits.max_context} "
+                           f"tokens (at most {room})")
+    return max_tokens
+
+
+def parse_end_id(get: GetInput, limits: ModelLimits) -> int | None:
+    end_id = scalar(get, "end_id")
+    if end_id is not None and not (end_id == -1 or 0 <= end_id < limits.vocab_size):
+        raise RequestError(f"input 'end_id' must be -1 (never stop early) or a token id in "
+                           f"[0, {limits.vocab_size}), got {end_id}")
+    return end_id
+
+
+def parse_request(get: GetInput, defaults: DecodeOptions, limits: ModelLimits) -> ServingRequest:
+    prompt_ids = parse_prompt(get, limits)
+    fanout = ids_of(get, "fanout")
+    options = build_naming_inputs(DecodeOptions, [
+        ("decoding_mode", "mode", given_or(scalar(get, "decoding_mode"), defaults.mode)),
+        ("num_draft_tokens", "num_draft_tokens",
+         given_or(scalar(get, "num_draft_tokens"), defaults.num_draft_tokens)),
+        ("fanout", "fanout", tuple(fanout) if fanout else defaults.fanout),
+        ("budget", "budget", given_or(scalar(get, "budget"), defaults.budget)),
+        ("saguaro_factor", "saguaro_factor", scalar(get, "saguaro_factor")),
+        ("max_tokens", "max_tokens", parse_max_tokens(get, len(prompt_ids), limits)),
+        ("end_id", "eos_token_id", parse_end_id(get, limits)),
+    ])
+    sampling = build_naming_inputs(SamplingParams, [
+        ("temperature", "temperature", scalar(get, "temperature")),
+        ("top_k", "top_k", scalar(get, "top_k")),
+        ("top_p", "top_p", scalar(get, "top_p")),
+        ("seed", "seed", scalar(get, "seed")),
+    ])
+    stop_words = get("stop_words_list")
+    return ServingRequest(prompt_ids, options, sampling, stream=bool(scalar(get, "stream")),
+                          stop_sequences=parse_word_list(stop_words) if stop_words is not None else [])
+
+
+class TextCodec:
+    """The engines' tokenizer on the text side: encodes exactly as `Pipeline.encode` and
+    decodes as `Pipeline.decode`, so served text equals the runtime's."""
+
+    def __init__(self, tokenizer_dir: str | Path, bos_token_id: int | None):
+        self.tokenizer = load_tokenizer(Path(tokenizer_dir))
+        self.bos_token_id = bos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        if not text:
+            raise RequestError("input 'text_input' is empty: give at least one character of text")
+        bos = [self.bos_token_id] if self.bos_token_id is not None else []
+        return bos + self.encode_word(text)
+
+    def encode_word(self, word: str) -> list[int]:
+        return self.tokenizer.encode(word, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+# Word lists in tensorrtllm_backend's layout: row 0 the words' token ids end to end, row 1
+# each word's end offset, both padded (ids with 0, offsets with -1) to one length.
+
+def split_words(texts: list[str]) -> list[str]:
+    """tensorrtllm_backend reads each string as CSV: "a,b" is two words."""
+    return [word for text in texts for row in csv.reader([text]) for word in row if word]
+
+
+def word_list(encode: Callable[[str], list[int]], words: list[str]) -> np.ndarray:
+    ids, offsets = [], []
+    for word in words:
+        ids += encode(word)
+        offsets.append(len(ids))
+    width = max(len(ids), len(offsets), 1)
+    return np.array([ids + [0] * (width - len(ids)), offsets + [-1] * (width - len(offsets))],
+                    dtype=np.int32)
+
+
+def parse_word_list(array: np.ndarray) -> list[list[int]]:
+    array = np.asarray(array).reshape(-1, 2, np.asarray(array).shape[-1])[0]
+    ids, ends = array[0].tolist(), [int(end) for end in array[1] if end >= 0]
+    if any(b <= a for a, b in zip([0] + ends, ends)) or (ends and ends[-1] > len(ids)):
+        raise RequestError(f"input 'stop_words_list': offsets {ends} are not increasing within "
+                           f"{len(ids)} ids")
+    return [ids[start:end] for start, end in zip([0] + ends, ends)]
+
+
+def first_stop_end(generated: list[int], start: int, stops: list[list[int]]) -> int | None:
+    """Index just past the earliest stop sequence that ends in `generated[start:]`."""
+    for end in range(start + 1, len(generated) + 1):
+        if any(stop and end >= len(stop) and generated[end - len(stop):end] == stop for stop in stops):
+            return end
+    return None
+
+
+def row(values, dtype) -> np.ndarray:
+    """A `[1, n]` array: the batch dimension of one request, then the values."""
+    return np.array(values, dtype=dtype).reshape(1, -1)
+
+
+def response_arrays(new_ids: list[int], prefix_ids: list[int], final: bool,
+                    stats: dict | None = None, finish_reason: str | None = None) -> dict[str, np.ndarray]:
+    """Every output of the SSD model, in every response (an ensemble step needs them all);
+    stats and the finish reason are empty until the final response."""
+    stats = stats or {}
+    return {
+        "output_ids": row(new_ids, np.int32),
+        "prefix_ids": row(prefix_ids, np.int32),
+        "is_final": row([final], bool),
+        "finish_reason": row([finish_reason.encode()] if finish_reason else [], object),
+        "accepted_histogram": row(stats.get("accepted_histogram", []), np.int32),
+        "cache_hits": row([stats["cache_hits"]] if stats else [], np.int32),
+        "cache_misses": row([stats["cache_misses"]] if stats else [], np.int32),
+        "tokens_per_s": row([stats["tokens_per_s"]] if stats else [], np.float32),
+    }
+
+
+@dataclass
+class Outcome:
+    finish_reason: str   # the generation's, or "stop" when a stop sequence ended it
+    output_ids: list[int]
+    stats: dict
+
+
+class ResponseStream:
+    """Receives a generation's rounds and sends them on as response arrays."""
+
+    def __init__(self, request: ServingRequest, send: Send):
+        self.request, self.send = request, send
+        self.generated: list[int] = []
+        self.stopped = False  # a stop sequence ended the generation
+
+    def on_tokens(self, tokens: list[int]) -> None:
+        if self.stopped:
+            return
+        start = len(self.generated)
+        self.generated += tokens
+        end = first_stop_end(self.generated, start, self.request.stop_sequences)
+        if end is not None:
+            del self.generated[end:]
+            self.stopped = True
+        if self.request.stream and len(self.generated) > start:
+            self.send(response_arrays(self.generated[start:], prefix_window(self.generated, start), False),
+                      False)
+
+    def finish(self, generation) -> Outcome:
+        """The final response, also for a cancelled generation: in a Triton 2.51 ensemble an
+        error from one step while another still runs leaves the request in flight forever."""
+        reason = "stop" if self.stopped else generation.finish_reason
+        outcome = Outcome(reason, list(self.generated), generation.stats.as_dict())
+        start = len(self.generated) if self.request.stream else 0
+        self.send(response_arrays(self.generated[start:], prefix_window(self.generated, start),
+                                  True, outcome.stats, reason), True)
+        return outcome
+
+
+def run_request(pipeline, request: ServingRequest, send: Send, is_cancelled: Callable[[], bool]) -> Outcome:
+    """Generate, sending responses as rounds complete and a final one with the stats."""
+    stream = ResponseStream(request, send)
+    generation = pipeline.generate(request.prompt_ids, request.options, request.sampling,
+                                   on_tokens=stream.on_tokens,
+                                   cancelled=lambda: stream.stopped or is_cancelled())
+    return stream.finish(generation)
