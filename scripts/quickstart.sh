@@ -15,7 +15,7 @@ echo "== 1/4 model pair: $MODELS (made once, under a minute)"
 python scripts/make_models.py --size tiny --out "$MODELS"
 
 echo "== 2/4 engines: $ENGINES (ONNX Runtime, FusedVerify and BranchDraft plugins in the graphs)"
-python scripts/build_engines.py --config build/configs/tiny.yaml --target "$MODELS/target" \
+python scripts/build_engines.py --config tiny --target "$MODELS/target" \
   --draft "$MODELS/draft" --out "$ENGINES" --quiet
 
 echo "== 3/4 SSD generation on the engines"

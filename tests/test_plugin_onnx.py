@@ -9,6 +9,7 @@ from saguaro.plugins.branch_draft import onnx_function as branch_onnx
 from saguaro.plugins.branch_draft.reference import commit_indices, gather_kv, plan_branches
 from saguaro.plugins.fused_verify import onnx_function as verify_onnx
 from saguaro.plugins.fused_verify.reference import fused_verify
+from verify_rounds import random_round
 
 OPSETS = (17, 21)  # 18 moved ReduceMin/Max axes to an input; 21 is recent
 DRAFT_LENGTHS = (0, 1, 3, 5)
@@ -47,17 +48,6 @@ def run_verify(sess, logits, drafts, q, uniforms, temperature, top_k=0, top_p=1.
     accepted, bonus = sess.run(None, feeds)
     assert accepted.shape == () and bonus.shape == () and accepted.dtype == np.int64
     return int(accepted), int(bonus)
-
-
-def random_round(generator, k, vocab, drafts_are_argmax):
-    """Target logits, draft tokens (random, or the target's argmax), q, uniforms."""
-    logits = torch.randn(k + 1, vocab, generator=generator) * 3
-    q = torch.softmax(torch.randn(k, vocab, generator=generator) * 2, dim=-1)
-    if drafts_are_argmax:
-        drafts = logits[:k].argmax(-1)
-    else:
-        drafts = torch.multinomial(q, 1, generator=generator).view(k) if k else torch.zeros(0, dtype=torch.int64)
-    return logits, drafts, q, torch.rand(k + 1, generator=generator)
 
 
 def reference_outcome(logits, drafts, q, uniforms, temperature, top_k=0, top_p=1.0):

@@ -27,21 +27,12 @@ from saguaro.plugins.branch_draft import triton_kernel as branch_triton  # noqa:
 from saguaro.plugins.branch_draft.reference import commit_indices, gather_kv, plan_branches  # noqa: E402
 from saguaro.plugins.fused_verify import triton_kernel as verify_triton  # noqa: E402
 from saguaro.plugins.fused_verify.reference import fused_verify  # noqa: E402
+from verify_rounds import random_round  # noqa: E402
 
 DRAFT_LENGTHS = (0, 1, 3, 5)
 # The interpreter runs tl.sort slowly, so the filtered settings use a small vocabulary.
 PLAIN_SAMPLING = [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.7, 0, 1.0), (1.0, 99, 1.0)]
 FILTERED_SAMPLING = [(1.0, 3, 1.0), (1.4, 0, 0.8), (0.8, 5, 0.9), (1.0, 0, 0.4)]
-
-
-def random_round(generator, k, vocab, drafts_are_argmax):
-    logits = torch.randn(k + 1, vocab, generator=generator) * 3
-    q = torch.softmax(torch.randn(k, vocab, generator=generator) * 2, dim=-1)
-    if drafts_are_argmax:
-        drafts = logits[:k].argmax(-1)
-    else:
-        drafts = torch.multinomial(q, 1, generator=generator).view(k) if k else torch.zeros(0, dtype=torch.int64)
-    return logits, drafts, q, torch.rand(k + 1, generator=generator)
 
 
 def outcome(op, *args):

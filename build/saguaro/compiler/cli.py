@@ -50,3 +50,7 @@ def main(argv=None) -> int:
         return 2
     print(summary(config, out, record))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,6 +10,7 @@ An existing pair with the same size and seed is kept unless --force is given.
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 from pathlib import Path
 
@@ -75,3 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.out}/target, {args.out}/draft and {args.out}/pair.json")
     print(describe(report))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Triton `postprocessing`: one streamed response's token ids to the text they add.
 
-Stateless by design (runtime/detokenizer.py): each response brings the tokens before
+Stateless by design (saguaro/runtime/detokenizer.py): each response brings the tokens before
 its own, so a character split across rounds is held back and printed once, whole.
 
 This step is also the one that learns of a client's cancellation: Triton cancels the

@@ -12,6 +12,7 @@ split of time between verifying, drafting on the critical path and waiting.
 from __future__ import annotations
 
 import argparse
+import sys
 import statistics
 import time
 from pathlib import Path
@@ -136,3 +137,7 @@ def main(argv=None) -> int:
         print(f"{name:22s} {speed:7.1f} {speed / baseline:6.2f} {t['accepted'] / t['rounds']:7.2f} {hit} "
               f"{t['verify_s']:8.2f} {t['draft_s']:8.2f} {t['wait_s']:7.2f}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -80,3 +80,7 @@ def main(argv=None) -> int:
     else:
         print_human(result, args.prompt)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

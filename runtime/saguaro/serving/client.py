@@ -188,3 +188,7 @@ def main(argv=None) -> int:
     else:
         print_summary(completion)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

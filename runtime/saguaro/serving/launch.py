@@ -239,3 +239,7 @@ def main(argv=None) -> int:
         for stop_signal in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut clean-up short
             signal.signal(stop_signal, signal.SIG_IGN)
         server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -188,3 +188,7 @@ def main(argv=None) -> int:
         return 2
     print(out)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
