@@ -1,9 +1,21 @@
 """Sampled output is distributed exactly as the target's, in every speculative mode.
 
-The models are small enough to enumerate: 6 tokens, so the exact law of the first two
-generated tokens (36 outcomes) comes from 7 target forwards. Each mode's empirical law
-over many seeded generations must pass a chi-square test against it; the same test run
-on a deliberately biased verification rule must fail, which shows the test has teeth.
+The models are small enough to enumerate: 4 tokens, so the exact law of the first three
+generated tokens (64 outcomes) comes from 21 target forwards. Each configuration below
+samples a few thousand seeded generations and must pass a chi-square test against that
+law. The configurations are chosen so that every rule of the algorithm is exercised
+inside those three tokens:
+
+- K = 2 rounds verify two drafts, so acceptance past depth 0 is tested, and a second
+  round verifies drafts after a rejection (the generation runs one token past the window
+  so that round is never clipped);
+- K = 1 rounds reach a second verified round after an all-accept;
+- SSD branch hits feed verified rounds, with a fan-out that covers every outcome
+  (K = 1, fan-out (3, 4) on 4 tokens: every rejection's bonus differs from the draft),
+  with Saguaro sampling, and with top-k / top-p filtering.
+
+A deliberately biased verification rule fails the same test, which shows it has teeth;
+`tests/mutation_check.py` shows that realistic bugs in the sampling path fail it too.
 """
 import math
 
@@ -11,51 +23,57 @@ import pytest
 import torch
 
 from checkpoints import make_checkpoint
+from saguaro.plugins.probs import logits_to_probs
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.runtime.sampling import SamplingParams
-from saguaro.plugins.probs import logits_to_probs
 
-PROMPT = [1, 4, 5]
-SAMPLES = 1200
-VOCAB = 6
+PROMPT = [1, 2, 3]
+VOCAB = 4
+WINDOW = 3          # tokens whose joint law is checked
+SAMPLES = 3000      # seeded generations per configuration
 
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     root = tmp_path_factory.mktemp("enumerable")
-    target = make_checkpoint(root / "target", vocab_size=VOCAB, hidden=32, seed=0, logit_scale=12.0)
-    draft = make_checkpoint(root / "draft", vocab_size=VOCAB, hidden=16, seed=1, logit_scale=12.0)
+    target = make_checkpoint(root / "target", vocab_size=VOCAB, hidden=32, seed=0, logit_scale=4.0)
+    draft = make_checkpoint(root / "draft", vocab_size=VOCAB, hidden=16, seed=1, logit_scale=4.0)
     return Pipeline.load(target, draft)
 
 
-def next_token_probs(engine, ids, sampling):
+def next_token_probs(engine, ids, sampling) -> torch.Tensor:
     cache = engine.new_cache(len(ids))
     logits = engine.forward(cache, torch.tensor(ids), torch.arange(len(ids)))[-1]
     return logits_to_probs(logits.double(), sampling.temperature, sampling.top_k, sampling.top_p)
 
 
-def exact_law(engine, sampling) -> torch.Tensor:
-    """P(first two tokens = (x, y)) under the target alone, `[V, V]`."""
-    first = next_token_probs(engine, PROMPT, sampling)
-    return torch.stack([first[x] * next_token_probs(engine, PROMPT + [x], sampling) for x in range(VOCAB)])
+def exact_law(engine, sampling, prefix=(), depth: int = WINDOW) -> torch.Tensor:
+    """P(the next `depth` tokens after PROMPT + prefix), `[V] * depth`, under the target alone."""
+    first = next_token_probs(engine, PROMPT + list(prefix), sampling)
+    if depth == 1:
+        return first
+    return torch.stack([first[x] * exact_law(engine, sampling, (*prefix, x), depth - 1) for x in range(VOCAB)])
 
 
-def empirical_counts(pipeline, options, sampling) -> torch.Tensor:
-    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    for seed in range(SAMPLES):
+def empirical_counts(pipeline, options, sampling, samples: int = SAMPLES):
+    counts = torch.zeros([VOCAB] * WINDOW, dtype=torch.float64)
+    hits = lookups = 0
+    for seed in range(samples):
         run = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
-        x, y = pipeline.generate(PROMPT, options, run).output_ids
-        counts[x, y] += 1
-    return counts
+        generation = pipeline.generate(PROMPT, options, run)
+        counts[tuple(generation.output_ids[:WINDOW])] += 1
+        hits += generation.stats.cache_hits
+        lookups += generation.stats.cache_hits + generation.stats.cache_misses
+    return counts, hits / max(lookups, 1)
 
 
 def chi_square_rejects(counts: torch.Tensor, law: torch.Tensor, alpha_z: float = 3.09) -> tuple[bool, float]:
     """Pearson chi-square at alpha = 0.001 (z = 3.09), cells expected < 5 pooled."""
     expected, observed = law.flatten() * counts.sum(), counts.flatten()
-    small = expected < 5
-    if counts.flatten()[law.flatten() == 0].sum() > 0:
+    if observed[law.flatten() == 0].sum() > 0:
         return True, math.inf  # an impossible outcome happened
+    small = expected < 5
     cells_e = torch.cat((expected[~small], expected[small].sum().view(1)))
     cells_o = torch.cat((observed[~small], observed[small].sum().view(1)))
     keep = cells_e > 0
@@ -66,24 +84,32 @@ def chi_square_rejects(counts: torch.Tensor, law: torch.Tensor, alpha_z: float =
     return statistic > critical, statistic
 
 
-MODES = {
-    "speculative K=2": (DecodeOptions(mode="speculative", num_draft_tokens=2, max_tokens=2, eos_token_id=-1),
-                        SamplingParams(temperature=1.0)),
-    "ssd K=1 fanout 2": (DecodeOptions(mode="ssd", num_draft_tokens=1, fanout=(2,), max_tokens=2, eos_token_id=-1),
-                         SamplingParams(temperature=1.0)),
+PLAIN = SamplingParams(temperature=1.0)
+FILTERED = SamplingParams(temperature=0.8, top_k=3, top_p=0.9)
+LONGER = dict(max_tokens=WINDOW + 1, eos_token_id=-1)  # a round inside the window is never clipped
+
+# name -> (options, sampling, least hit rate the configuration must show)
+CONFIGURATIONS = {
+    "speculative K=2": (DecodeOptions(mode="speculative", num_draft_tokens=2, **LONGER), PLAIN, 0.0),
+    "speculative K=1": (DecodeOptions(mode="speculative", num_draft_tokens=1, **LONGER), PLAIN, 0.0),
+    "ssd K=2 fan-out 2": (DecodeOptions(mode="ssd", num_draft_tokens=2, fanout=(2,), **LONGER), PLAIN, 0.3),
+    "ssd K=1 fan-out covers all": (DecodeOptions(mode="ssd", num_draft_tokens=1, fanout=(VOCAB - 1, VOCAB),
+                                                 **LONGER), PLAIN, 1.0),
     "ssd K=2 saguaro": (DecodeOptions(mode="ssd", num_draft_tokens=2, fanout=(1,), saguaro_factor=0.4,
-                                      max_tokens=2, eos_token_id=-1), SamplingParams(temperature=1.0)),
-    "ssd budget, top-k/top-p": (DecodeOptions(mode="ssd", num_draft_tokens=1, budget=3, max_tokens=2, eos_token_id=-1),
-                                SamplingParams(temperature=0.8, top_k=4, top_p=0.9)),
+                                      saguaro_top=2, **LONGER),
+                        PLAIN, 0.2),
+    "ssd K=2 budget, top-k/top-p": (DecodeOptions(mode="ssd", num_draft_tokens=2, budget=3, **LONGER),
+                                    FILTERED, 0.2),
 }
 
 
-@pytest.mark.parametrize("name", MODES)
+@pytest.mark.parametrize("name", CONFIGURATIONS)
 def test_speculative_modes_sample_the_target_distribution(pipeline, name):
-    options, sampling = MODES[name]
-    law = exact_law(pipeline.target, sampling)
-    rejects, statistic = chi_square_rejects(empirical_counts(pipeline, options, sampling), law)
+    options, sampling, least_hit_rate = CONFIGURATIONS[name]
+    counts, hit_rate = empirical_counts(pipeline, options, sampling)
+    rejects, statistic = chi_square_rejects(counts, exact_law(pipeline.target, sampling))
     assert not rejects, f"{name}: chi-square {statistic:.1f} says the output is not the target's law"
+    assert hit_rate >= least_hit_rate, f"{name}: only {hit_rate:.0%} of lookups hit; branch hits are not tested"
 
 
 class BiasedVerify:
@@ -107,8 +133,8 @@ class BiasedVerify:
 
 
 def test_the_chi_square_test_catches_a_biased_rule(pipeline):
-    options, sampling = MODES["ssd K=1 fanout 2"]
+    options, sampling, _ = CONFIGURATIONS["ssd K=1 fan-out covers all"]
     biased = Pipeline(BiasedVerify(pipeline.target), pipeline.draft)
-    law = exact_law(pipeline.target, sampling)
-    rejects, statistic = chi_square_rejects(empirical_counts(biased, options, sampling), law)
+    counts, _ = empirical_counts(biased, options, sampling, samples=1000)
+    rejects, statistic = chi_square_rejects(counts, exact_law(pipeline.target, sampling))
     assert rejects, f"a biased rule passed (chi-square {statistic:.1f}): the test has no power"

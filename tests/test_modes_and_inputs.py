@@ -5,12 +5,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from checkpoints import make_checkpoint
 from saguaro.runtime.checkpoint import CheckpointError
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline, RequestError
-from saguaro.runtime.sampling import SamplingParams
+from saguaro.plugins.fused_verify.reference import fused_verify
+from saguaro.runtime.sampling import ACCEPT_STREAM, BONUS_STREAM, SamplingParams, keyed_uniforms, pick_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [1, 9, 14, 22, 5, 31]
@@ -29,13 +31,42 @@ def run(pipeline, sampling=SAMPLED, **options):
     return pipeline.generate(PROMPT, DecodeOptions(max_tokens=30, eos_token_id=-1, **options), sampling)
 
 
-def test_ssd_without_prespeculation_is_speculative_decoding(pipeline):
-    for sampling in (SamplingParams(), SAMPLED):
-        sd = run(pipeline, sampling, mode="speculative", num_draft_tokens=3)
-        ssd_off = run(pipeline, sampling, mode="ssd", num_draft_tokens=3, prespeculate=False)
-        assert ssd_off.output_ids == sd.output_ids
-        assert ssd_off.stats.accepted_histogram == sd.stats.accepted_histogram
-        assert ssd_off.stats.cache_hits == ssd_off.stats.cache_misses == 0
+def textbook_speculative_decoding(target, draft, prompt, k, sampling, max_tokens):
+    """Speculative decoding written the plain way, as an oracle for the runtime's loop: no
+    KV cache reuse (every forward runs over the whole sequence), no worker, no speculator
+    or verifier; only the reference ops and the same keyed randomness."""
+    def logits_of(engine, ids):
+        return engine.forward(engine.new_cache(len(ids)), torch.tensor(ids), torch.arange(len(ids)))
+
+    ids, sampling = list(prompt), sampling.with_seed()  # greedy decoding uses no uniform
+    while len(ids) - len(prompt) < max_tokens:
+        verified = min(k, max_tokens - (len(ids) - len(prompt)) - 1)
+        drafts, qs = [], []
+        for _ in range(verified):
+            token, q = pick_tokens(logits_of(draft, ids + drafts)[-1], sampling, None, torch.tensor(len(ids + drafts)))
+            drafts.append(int(token))
+            qs.append(q)
+        rows = logits_of(target, ids + drafts)[len(ids) - 1:]
+        positions = torch.arange(len(ids), len(ids) + verified)
+        uniforms = torch.cat((keyed_uniforms(sampling.seed, ACCEPT_STREAM, positions),
+                              keyed_uniforms(sampling.seed, BONUS_STREAM, [len(ids)])))
+        accepted, bonus = fused_verify(rows, torch.tensor(drafts, dtype=torch.int64),
+                                       torch.stack(qs) if qs and not sampling.greedy else None, uniforms,
+                                       sampling.temperature, sampling.top_k, sampling.top_p)
+        ids += drafts[:int(accepted)] + [int(bonus)]
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+def test_speculative_decoding_and_ssd_without_prespeculation_match_the_textbook_loop(pipeline, sampling):
+    expected = textbook_speculative_decoding(pipeline.target, pipeline.draft, PROMPT, 3, sampling, 30)
+    sd = run(pipeline, sampling, mode="speculative", num_draft_tokens=3)
+    ssd_off = run(pipeline, sampling, mode="ssd", num_draft_tokens=3, prespeculate=False)
+    zero_fanout = run(pipeline, sampling, mode="ssd", num_draft_tokens=3, fanout=(0,))
+    for generation in (sd, ssd_off, zero_fanout):
+        assert generation.output_ids == expected
+        assert generation.stats.cache_hits == generation.stats.cache_misses == 0
+    assert ssd_off.stats.accepted_histogram == sd.stats.accepted_histogram
 
 
 @pytest.mark.parametrize("branching", [dict(fanout=(2,)), dict(budget="auto"), dict(fanout=(3,), saguaro_factor=0.5)])
@@ -53,6 +84,61 @@ def test_ssd_samples_exactly_what_speculative_decoding_samples(tiny_pair, branch
     assert ssd.output_ids == sd.output_ids
     assert ssd.stats.accepted_histogram == sd.stats.accepted_histogram
     assert ssd.stats.cache_hits > 0
+
+
+def test_saguaro_sampling_samples_the_same_text_whatever_the_budget(tiny_pair):
+    """Saguaro rescales a fixed number of the draft's tokens, so q (and the text for a seed)
+    does not depend on the fan-out or budget; only the speed does."""
+    tiny = Pipeline.load(tiny_pair / "target", tiny_pair / "draft")
+    prompt, sampling = tiny.encode("The with statement"), SamplingParams(temperature=0.7, seed=5)
+    texts = {}
+    for name, branching in [("speculative", dict(mode="speculative")), ("fanout 1", dict(fanout=(1,))),
+                            ("fanout 3", dict(fanout=(3,))), ("budget 8", dict(budget=8)),
+                            ("budget auto", dict(budget="auto"))]:
+        options = DecodeOptions(**{"mode": "ssd", **branching}, num_draft_tokens=3, max_tokens=48,
+                                eos_token_id=-1, saguaro_factor=0.5)
+        texts[name] = tiny.generate(prompt, options, sampling).output_ids
+    assert all(ids == texts["speculative"] for ids in texts.values()), texts
+    plain = tiny.generate(prompt, DecodeOptions(mode="speculative", num_draft_tokens=3, max_tokens=48,
+                                                eos_token_id=-1), sampling).output_ids
+    assert plain != texts["speculative"], "Saguaro sampling should change q, and so the text"
+
+
+def test_a_fanout_wider_than_the_vocabulary_is_capped(tmp_path):
+    target = make_checkpoint(tmp_path / "target", vocab_size=6, hidden=32, seed=0, logit_scale=3.0)
+    draft = make_checkpoint(tmp_path / "draft", vocab_size=6, hidden=16, seed=1, logit_scale=3.0)
+    small = Pipeline.load(target, draft)
+    sampling = SamplingParams(temperature=1.0, seed=3)
+    expected = small.generate([1, 2], DecodeOptions(mode="speculative", num_draft_tokens=2, max_tokens=20,
+                                                    eos_token_id=-1), sampling).output_ids
+    for branching in (dict(fanout=(8,)), dict(budget="auto"), dict(budget=30)):
+        generation = small.generate([1, 2], DecodeOptions(num_draft_tokens=2, max_tokens=20, eos_token_id=-1,
+                                                          **branching), sampling)
+        assert generation.output_ids == expected
+        if "fanout" in branching:  # capped at every depth, it covers every outcome
+            assert generation.stats.cache_misses == 0 and generation.stats.cache_hits > 0
+
+
+@pytest.mark.parametrize("k", [7, 8])
+def test_plain_speculative_decoding_runs_at_the_engines_largest_k(tiny_engines, k):
+    engines = Pipeline.load(engines=tiny_engines)
+    prompt = engines.encode("The with statement")
+    greedy = engines.generate(prompt, DecodeOptions(mode="autoregressive", max_tokens=24), SamplingParams())
+    sd = engines.generate(prompt, DecodeOptions(mode="speculative", num_draft_tokens=k, max_tokens=24),
+                          SamplingParams())
+    assert sd.output_ids == greedy.output_ids
+
+
+def test_unseeded_sampling_draws_a_fresh_seed_and_reports_it(pipeline):
+    unseeded = SamplingParams(temperature=0.9, top_k=20, top_p=0.95)
+    first, second = run(pipeline, unseeded, mode="ssd", num_draft_tokens=2), run(pipeline, unseeded, mode="ssd",
+                                                                                 num_draft_tokens=2)
+    assert first.seed is not None and second.seed is not None and first.seed != second.seed
+    assert first.output_ids != second.output_ids
+    replay = run(pipeline, SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=first.seed),
+                 mode="ssd", num_draft_tokens=2)
+    assert replay.output_ids == first.output_ids and replay.seed == first.seed
+    assert run(pipeline, SAMPLED, mode="ssd", num_draft_tokens=2).seed == SAMPLED.seed
 
 
 def test_k_zero_is_autoregressive_decoding(pipeline):
@@ -93,6 +179,8 @@ def test_cancellation_and_streaming_callback(pipeline):
     (lambda: SamplingParams(top_p=0.0), "top_p"),
     (lambda: SamplingParams(top_p=1.2), "top_p"),
     (lambda: SamplingParams(top_k=-3), "top_k"),
+    (lambda: SamplingParams(seed=-1), "seed"),
+    (lambda: DecodeOptions(saguaro_factor=0.5, saguaro_top=0), "saguaro top"),
 ])
 def test_bad_options_are_named(make, message):
     with pytest.raises(ValueError, match=message):

@@ -122,7 +122,7 @@ def test_server_metadata_and_model_configs_are_what_clients_expect(server, clien
                       "bad_words": "BYTES", "stop_words": "BYTES", "decoding_mode": "BYTES",
                       "num_draft_tokens": "INT32", "fanout": "INT32", "budget": "INT32", "saguaro_factor": "FP32"}
     assert {spec.name for spec in metadata.outputs} == {
-        "text_output", "finish_reason", "accepted_histogram", "cache_hits", "cache_misses", "tokens_per_s"}
+        "text_output", "finish_reason", "accepted_histogram", "cache_hits", "cache_misses", "tokens_per_s", "sampling_seed"}
     ssd = client.get_model_config("ssd").config
     assert ssd.model_transaction_policy.decoupled and ssd.backend == "python"
     assert client.get_model_config(MODEL).config.platform == "ensemble"
@@ -153,6 +153,16 @@ def test_seeded_sampling_reproduces_the_runtimes_text(pipeline, client):
     assert completion.text == pipeline.decode(expected.output_ids)
     other_seed = complete(client, ensemble_inputs(PROMPTS[4], 40, True, end_id=-1, temperature=0.8, seed=1))
     assert other_seed.text != completion.text  # the seed reached the sampler
+    assert completion.seed == 2**40 + 7 and other_seed.seed == 1
+
+
+def test_unseeded_requests_get_fresh_seeds_that_replay(pipeline, client):
+    unseeded = [complete(client, ensemble_inputs(PROMPTS[5], 40, False, end_id=-1, temperature=1.0))
+                for _ in range(2)]
+    assert unseeded[0].seed != unseeded[1].seed and unseeded[0].text != unseeded[1].text
+    replay = complete(client, ensemble_inputs(PROMPTS[5], 40, False, end_id=-1, temperature=1.0,
+                                              seed=unseeded[0].seed))
+    assert replay.text == unseeded[0].text and replay.seed == unseeded[0].seed
 
 
 def test_stop_words_end_the_text_after_them(pipeline, client):

@@ -48,6 +48,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, defaults: DecodeOpti
                                 "chooses B so pre-speculation stays hidden under verification")
     if per_request_flags:
         parser.add_argument("--saguaro", type=float, metavar="C", help="Saguaro sampling factor in (0, 1]")
+        parser.add_argument("--saguaro-top", type=int, metavar="N", default=None,
+                            help=f"tokens Saguaro sampling rescales (default {DECODE_DEFAULTS.saguaro_top})")
         parser.add_argument("--no-prespeculate", action="store_true", help="ssd without pre-speculation")
 
 
@@ -55,13 +57,15 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=SAMPLING_DEFAULTS.temperature, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=SAMPLING_DEFAULTS.top_k, help="0 = off")
     parser.add_argument("--top-p", type=float, default=SAMPLING_DEFAULTS.top_p, help="1 = off")
-    parser.add_argument("--seed", type=int, default=SAMPLING_DEFAULTS.seed)
+    parser.add_argument("--seed", type=int, default=SAMPLING_DEFAULTS.seed,
+                        help="sampling seed (default: a fresh one, printed with the result)")
 
 
 def decode_options(args: argparse.Namespace, **overrides) -> DecodeOptions:
     """The options the decoding flags ask for (validated: errors name the value)."""
     fields = dict(mode=args.mode, num_draft_tokens=args.num_draft_tokens, fanout=args.fanout,
                   budget=args.budget, saguaro_factor=getattr(args, "saguaro", None),
+                  saguaro_top=getattr(args, "saguaro_top", None),
                   prespeculate=not getattr(args, "no_prespeculate", False))
     fields.update(overrides)
     return DecodeOptions(**{name: value for name, value in fields.items() if value is not None})

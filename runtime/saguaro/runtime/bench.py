@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     branches = DecodeOptions(num_draft_tokens=k, **branch_options).fanout_policy().max_branches
     engine_costs(pipeline, k, branches, args.repeats)
 
-    sampling = SamplingParams(temperature=args.temperature)
+    sampling = SamplingParams(temperature=args.temperature, seed=0)  # every mode draws the same randomness
     prompts = PROMPTS[: args.prompts]
     modes = [("autoregressive", DecodeOptions(mode="autoregressive", max_tokens=args.max_tokens)),
              (f"speculative K={k}", DecodeOptions(mode="speculative", num_draft_tokens=k, max_tokens=args.max_tokens)),

@@ -41,14 +41,15 @@ def report(pipeline, generation) -> dict:
     stats = generation.stats.as_dict()
     return {"prompt_ids": generation.prompt_ids, "output_ids": generation.output_ids,
             "text": pipeline.decode(generation.output_ids), "finish_reason": generation.finish_reason,
-            "stats": stats}
+            "seed": generation.seed, "stats": stats}
 
 
-def print_human(result: dict, prompt: str) -> None:
+def print_human(result: dict, prompt: str, sampled: bool) -> None:
     stats = result["stats"]
     print(f"{prompt}\033[1m{result['text']}\033[0m")
+    replay = f", seed {result['seed']}" if sampled else ""
     print(f"\n[{stats['mode']}] {stats['tokens']} tokens in {stats['total_s']:.3f} s "
-          f"({stats['tokens_per_s']:.1f} tok/s), {stats['rounds']} rounds, finish: {result['finish_reason']}")
+          f"({stats['tokens_per_s']:.1f} tok/s), {stats['rounds']} rounds, finish: {result['finish_reason']}{replay}")
     if stats["num_draft_tokens"]:
         print(f"acceptance {stats['acceptance_rate']:.2f} per token (mean accepted "
               f"{stats['mean_accepted']:.2f} of K={stats['num_draft_tokens']}), histogram "
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print_human(result, args.prompt)
+        print_human(result, args.prompt, sampled=not sampling.greedy)
     return 0
 
 

@@ -35,6 +35,7 @@ class Generation:
     output_ids: list[int]
     finish_reason: str  # "eos", "length" (max_tokens), "context" (cache full), "cancelled"
     stats: GenerationStats
+    seed: int | None = None  # the sampling seed, so a sampled generation can be replayed
 
 
 @dataclass
@@ -127,7 +128,7 @@ def speculative_decode(target, draft, prompt_ids, options: DecodeOptions, sampli
                 stats.cache_misses += speculation is not None
                 with timed(stats, "draft_s"):
                     proposal = worker.submit(speculator.draft, tuple(out.ids)).result()
-    return finish(out, stats, started)
+    return finish(out, stats, started, sampling.seed)
 
 
 def autoregressive_decode(target, prompt_ids, options: DecodeOptions, sampling: SamplingParams,
@@ -150,11 +151,11 @@ def autoregressive_decode(target, prompt_ids, options: DecodeOptions, sampling: 
             break
         with timed(stats, "verify_s"):
             logits = target.forward(cache, torch.tensor([token]), torch.tensor([len(out.ids) - 1]))[-1]
-    return finish(out, stats, started)
+    return finish(out, stats, started, sampling.seed)
 
 
-def finish(out: Output, stats: GenerationStats, started: float) -> Generation:
+def finish(out: Output, stats: GenerationStats, started: float, seed: int | None) -> Generation:
     stats.tokens = len(out.new)
     stats.total_s = time.perf_counter() - started
     return Generation(out.ids[:len(out.ids) - len(out.new)], out.new,
-                      out.finish_reason or "cancelled", stats)
+                      out.finish_reason or "cancelled", stats, seed)

@@ -25,6 +25,7 @@ class DecodeOptions:
     budget: int | str | None = None           # instead of fanout: B branches placed online;
                                               # "auto": B chosen from measured time as well
     saguaro_factor: float | None = None       # Saguaro sampling (temperature > 0) when set
+    saguaro_top: int = max(DEFAULT_FANOUT) + 1  # ... scaling the draft's `saguaro_top` likeliest tokens
     prespeculate: bool = True                 # ssd only; off reduces ssd to speculative
     max_tokens: int = 64
     eos_token_id: int | None = None           # None: the model's; -1: never stop early
@@ -40,8 +41,7 @@ class DecodeOptions:
             raise ValueError(f"fanout needs 1 or K+1 = {self.num_draft_tokens + 1} values, got {list(self.fanout)}")
         if self.budget not in (None, "auto") and not (isinstance(self.budget, int) and self.budget >= 1):
             raise ValueError(f"budget must be an integer >= 1 or 'auto', got {self.budget!r}")
-        if self.saguaro_factor is not None:
-            SaguaroSampling(top=1, factor=self.saguaro_factor)  # validates the factor
+        SaguaroSampling(top=self.saguaro_top, factor=1.0 if self.saguaro_factor is None else self.saguaro_factor)
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
 
@@ -52,7 +52,9 @@ class DecodeOptions:
 
     @property
     def prespeculating(self) -> bool:
-        return self.mode == "ssd" and self.prespeculate and self.num_draft_tokens > 0
+        """An all-zero fan-out pre-speculates nothing: that is speculative decoding."""
+        branches = self.budget is not None or any(self.fanout)
+        return self.mode == "ssd" and self.prespeculate and self.num_draft_tokens > 0 and branches
 
     def fanout_policy(self, max_branches: int | None = None) -> StaticFanout | OnlineBudget:
         """The branch policy; `max_branches` caps an "auto" budget (the engines' limit)."""
@@ -63,15 +65,13 @@ class DecodeOptions:
         return StaticFanout(list(self.fanout), self.num_draft_tokens)
 
     def saguaro(self, sampling: SamplingParams) -> SaguaroSampling | None:
-        """Saguaro rescaling covers the draft's top max(F)+1 tokens (the cached keys and
-        the draft's own pick); greedy decoding has nothing to rescale."""
+        """Saguaro rescaling of the draft's `saguaro_top` likeliest tokens (by default the
+        default fan-out's keys plus the draft's own pick). A fixed number, not the fan-out
+        or budget: q, and so the sampled text for a seed, must not depend on how many
+        branches are pre-speculated. Greedy decoding has nothing to rescale."""
         if self.saguaro_factor is None or sampling.greedy:
             return None
-        if self.budget is None:
-            widest = max(self.fanout)
-        else:
-            widest = AUTO_BUDGET_CAP if self.budget == "auto" else self.budget
-        return SaguaroSampling(top=widest + 1, factor=self.saguaro_factor)
+        return SaguaroSampling(top=self.saguaro_top, factor=self.saguaro_factor)
 
 
 def parse_fanout(text: str) -> tuple[int, ...]:

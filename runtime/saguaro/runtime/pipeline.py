@@ -90,6 +90,7 @@ class Pipeline:
                  on_tokens: OnTokens | None = None, cancelled: Cancelled = lambda: False) -> Generation:
         prompt_ids = [int(i) for i in prompt_ids]
         self.check_request(prompt_ids, options)
+        sampling = sampling.with_seed()
         eos = self.target.info.eos_token_id if options.eos_token_id is None else options.eos_token_id
         if options.mode == "autoregressive":
             return autoregressive_decode(self.target, prompt_ids, options, sampling, eos, on_tokens, cancelled)

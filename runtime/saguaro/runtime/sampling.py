@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -12,12 +13,13 @@ from saguaro.plugins.probs import logits_to_probs, saguaro_rescale, sample_from
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 turn those filters off."""
+    """temperature 0 means greedy; top_k 0 and top_p 1 turn those filters off. A seed of
+    None asks for a fresh one (`with_seed`), so unseeded requests differ from each other."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = None
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -27,6 +29,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2 ** 64):
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+
+    def with_seed(self) -> "SamplingParams":
+        """These parameters with a seed: the given one, or a fresh random one (reported
+        with the generation, so that it can be replayed)."""
+        return self if self.seed is not None else replace(self, seed=secrets.randbits(63))
 
     @property
     def greedy(self) -> bool:
@@ -43,6 +52,8 @@ class SaguaroSampling:
     def __post_init__(self):
         if not 0 < self.factor <= 1:
             raise ValueError(f"saguaro factor must be in (0, 1], got {self.factor!r}")
+        if not (isinstance(self.top, int) and self.top >= 1):
+            raise ValueError(f"saguaro top must be an integer >= 1, got {self.top!r}")
 
 
 def draft_distribution(logits: torch.Tensor, params: SamplingParams,
@@ -77,6 +88,16 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
+
+
+def verification_uniforms(params: SamplingParams, draft_positions: torch.Tensor, first_new: int) -> torch.Tensor:
+    """A round's K acceptance tests, keyed at the drafts' absolute positions, then its bonus
+    draw, keyed at the position of the first token the round commits. Greedy verification
+    draws nothing (zeros), and needs no seed."""
+    if params.greedy:
+        return torch.zeros(len(draft_positions) + 1)
+    return torch.cat((keyed_uniforms(params.seed, ACCEPT_STREAM, draft_positions),
+                      keyed_uniforms(params.seed, BONUS_STREAM, [first_new])))
 
 
 def keyed_uniforms(seed: int, stream: int, positions) -> torch.Tensor:

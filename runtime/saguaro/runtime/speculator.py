@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from saguaro.plugins.branch_draft.reference import commit_indices, step_mask
+from saguaro.plugins.branch_draft.reference import commit_indices, feasible_fanout, step_mask
 from saguaro.runtime.contracts import Draft, SpeculationCache
 from saguaro.runtime.sampling import SaguaroSampling, SamplingParams, pick_tokens
 
@@ -62,6 +62,7 @@ class Speculator:
         """While the target verifies `draft`: draft K tokens for each likely outcome (j, t),
         all branches advancing together in one tree forward per step."""
         context_length = len(ids)
+        fanout = feasible_fanout(torch.as_tensor(fanout, dtype=torch.int64), self.engine.info.vocab_size)
         glue = self._feed([int(draft.tokens[-1])], context_length + self.k - 1)
         scores = torch.cat((draft.logits, glue.unsqueeze(0)))
         plan = self.engine.plan_branches(scores, draft.tokens, fanout, context_length)

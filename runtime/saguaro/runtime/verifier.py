@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from saguaro.runtime.contracts import Draft, VerifyResult
-from saguaro.runtime.sampling import ACCEPT_STREAM, BONUS_STREAM, SamplingParams, keyed_uniforms
+from saguaro.runtime.sampling import SamplingParams, verification_uniforms
 
 
 class Verifier:
@@ -26,8 +26,7 @@ class Verifier:
         tokens = torch.cat((torch.tensor([ids[-1]]), drafts))
         positions = torch.arange(start, start + num_tokens + 1)
         first_new = len(ids)  # the position of the first token this round commits
-        uniforms = torch.cat((keyed_uniforms(self.sampling.seed, ACCEPT_STREAM, positions[1:]),
-                              keyed_uniforms(self.sampling.seed, BONUS_STREAM, [first_new])))
+        uniforms = verification_uniforms(self.sampling, positions[1:], first_new)
         probs = None if draft.probs is None else draft.probs[:num_tokens]
         accepted, bonus = self.engine.verify(self.cache, tokens, positions, drafts, probs,
                                              uniforms, self.sampling)

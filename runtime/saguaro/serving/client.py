@@ -46,6 +46,7 @@ class Completion:
     cache_hits: int | None = None
     cache_misses: int | None = None
     tokens_per_s: float | None = None
+    seed: int | None = None             # the sampling seed the server used (replayable)
     started_s: float = 0.0              # time.monotonic() when the request was sent
     response_times_s: list[float] = field(default_factory=list)  # since started_s
 
@@ -96,6 +97,7 @@ def absorb(completion: Completion, result) -> bool:
         completion.cache_hits = first(result, "cache_hits")
         completion.cache_misses = first(result, "cache_misses")
         completion.tokens_per_s = first(result, "tokens_per_s")
+        completion.seed = first(result, "sampling_seed")
     return result.get_response().parameters["triton_final_response"].bool_param
 
 

@@ -227,6 +227,7 @@ def response_arrays(new_ids: list[int], prefix_ids: list[int], final: bool,
         "cache_hits": row([stats["cache_hits"]] if stats else [], np.int32),
         "cache_misses": row([stats["cache_misses"]] if stats else [], np.int32),
         "tokens_per_s": row([stats["tokens_per_s"]] if stats else [], np.float32),
+        "sampling_seed": row([stats["seed"]] if stats else [], np.uint64),
     }
 
 
@@ -262,7 +263,7 @@ class ResponseStream:
         """The final response, also for a cancelled generation: in a Triton 2.51 ensemble an
         error from one step while another still runs leaves the request in flight forever."""
         reason = "stop" if self.stopped else generation.finish_reason
-        outcome = Outcome(reason, list(self.generated), generation.stats.as_dict())
+        outcome = Outcome(reason, list(self.generated), {**generation.stats.as_dict(), "seed": generation.seed})
         start = len(self.generated) if self.request.stream else 0
         self.send(response_arrays(self.generated[start:], prefix_window(self.generated, start),
                                   True, outcome.stats, reason), True)

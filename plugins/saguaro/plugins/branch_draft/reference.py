@@ -25,6 +25,15 @@ def candidate_scores(scores: torch.Tensor, draft_tokens: torch.Tensor) -> torch.
     return masked
 
 
+def feasible_fanout(fanout: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The fan-out capped by the candidates there are: V - 1 at a depth j < K (the draft's
+    own next token is left out), V at depth K. A wider request would be a key that can
+    never be anything but a duplicate."""
+    limit = torch.full_like(fanout, vocab_size - 1)
+    limit[-1] = vocab_size
+    return torch.minimum(fanout, limit)
+
+
 def candidate_keys(scores: torch.Tensor, draft_tokens: torch.Tensor, fanout: torch.Tensor):
     """Branch keys from draft scores `[K+1, V]` (logits or probs) and fan-out `[K+1]`.
 
