@@ -65,7 +65,8 @@ MUTATIONS = [
              "(logits shifted by one)", VERIFIER, "tokens = torch.cat((torch.tensor([ids[-1]]), drafts))",
              "tokens = torch.cat((drafts[:1] if len(drafts) else torch.tensor([ids[-1]]), drafts))"),
     Mutation("off-by-one-truncate", "the target's cache rolled back one entry too far",
-             VERIFIER, "self.cache.truncate(start + 1 + accepted)", "self.cache.truncate(start + accepted)"),
+             VERIFIER, "self.cache.truncate(len(ids) + outcome.accepted)",
+             "self.cache.truncate(len(ids) + outcome.accepted - 1)"),
 ]
 
 

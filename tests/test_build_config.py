@@ -137,7 +137,7 @@ def test_cli_builds_and_prints_a_summary(pair, tmp_path, capsys):
                                    "--max-context", "64", "--max-draft-tokens", "3", "--out", str(out), "--quiet"])
     printed = capsys.readouterr().out
     assert code == 0 and (out / "manifest.json").is_file()
-    assert "target/verify" in printed and "draft/branch_draft" in printed and "K <= 3" in printed
+    assert "target/fused_verify" in printed and "draft/branch_draft" in printed and "K <= 3" in printed
 
 
 def _has_tensorrt() -> bool:

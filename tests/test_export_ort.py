@@ -14,6 +14,7 @@ from saguaro.compiler.config import BuildConfig
 from saguaro.plugins.branch_draft.reference import commit_indices, plan_branches, step_mask
 from saguaro.plugins.fused_verify.reference import fused_verify
 from saguaro.runtime.engines.torch_engine import TorchEngine
+from saguaro.runtime.contracts import Step
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
@@ -123,9 +124,9 @@ def test_verify_matches_the_reference_op(engines, references, rejected_at, sampl
         want = fused_verify(target_logits, drafts, q, uniforms, sampling.temperature, sampling.top_k, sampling.top_p)
         got = ort_engine.verify(ort_cache.fork(), tokens, positions, drafts, None if sampling.greedy else q,
                                 uniforms, sampling)
-        assert got == (int(want[0]), int(want[1]))
+        assert (got.accepted, got.bonus) == (int(want[0]), int(want[1]))
     if sampling.greedy:
-        assert got[0] == rejected_at
+        assert got.accepted == rejected_at
 
 
 def test_verify_appends_k_plus_1_entries_and_rejects_too_long_drafts(engines):
@@ -202,12 +203,14 @@ def test_seeded_sampling_over_ort_engines_matches_torch_engines(fp32_engines, ti
         assert compiled.generate(prompt, options, sampling).output_ids == want.output_ids
 
 
-@pytest.mark.parametrize("precision, quantised_op", [("int8", "MatMulInteger"), ("int4", "MatMulNBits")])
-def test_quantised_builds_load_and_run(tiny_pair, tmp_path, precision, quantised_op):
+@pytest.mark.parametrize("precision, bits", [("int8", 8), ("int4", 4)])
+def test_quantised_builds_load_and_run(tiny_pair, tmp_path, precision, bits):
     out = tmp_path / precision
     build_engines(engine_config(tiny_pair, precision), out, show_progress=False)
-    ops = {node.op_type for node in onnx.load(str(out / "target" / "forward.onnx")).graph.node}
-    assert any(quantised_op in op for op in ops), sorted(ops)
+    graph = onnx.load(str(out / "target" / "model.onnx")).graph
+    quantised = [node for node in graph.node if node.op_type == "MatMulNBits"]
+    assert quantised and not [node for node in graph.node if node.op_type == "MatMul"]
+    assert all(onnx.helper.get_attribute_value(a) == bits for n in quantised for a in n.attribute if a.name == "bits")
     pipeline = Pipeline.load(engines=out)
     generation = pipeline.generate(PROMPT, DecodeOptions(mode="ssd", num_draft_tokens=3, max_tokens=12),
                                    SamplingParams())
@@ -215,14 +218,17 @@ def test_quantised_builds_load_and_run(tiny_pair, tmp_path, precision, quantised
     assert all(0 <= t < pipeline.target.info.vocab_size for t in generation.output_ids)
 
 
-def test_stripped_tensorrt_graphs_pass_the_checker_and_name_their_plugins(fp32_engines):
+def test_stripped_tensorrt_graphs_pass_the_checker_and_name_their_plugins(tiny_pair, tmp_path):
     """What TensorRT's parser gets: plugin nodes with their attributes, no function bodies."""
+    from saguaro.compiler.builder import export_model, inspect_checkpoint
     from saguaro.compiler.tensorrt_builder import strip_plugin_functions
 
-    expected = {"target/verify.onnx": {"FusedVerify"}, "draft/branch_draft.onnx": {"BranchDraft"},
-                "draft/kv_gather.onnx": {"GatherKV"}}
-    for path, plugins in expected.items():
-        stripped = strip_plugin_functions(onnx.load(str(fp32_engines / path)))  # weights inline
+    config = engine_config(tiny_pair, backend="tensorrt")
+    expected = {("target", "verify"): {"FusedVerify"}, ("draft", "branch_draft"): {"BranchDraft"}}
+    paths = {role: export_model(config, inspect_checkpoint(role, tiny_pair / role), tmp_path / role, tmp_path / "work")
+             for role in ("target", "draft")}
+    for (role, stem), plugins in expected.items():
+        stripped = strip_plugin_functions(onnx.load(str(paths[role][stem])))  # weights inline
         onnx.checker.check_model(stripped)
         assert not [f.name for f in stripped.functions if f.domain == "saguaro"]
         nodes = [node for node in stripped.graph.node if node.domain == "saguaro"]
@@ -253,25 +259,25 @@ def test_tensorrt_engines_match_onnxruntime(tiny_pair, tmp_path, engines):
     assert torch.equal(got.window_mask, want.window_mask) and torch.equal(got.token, want.token)
 
 
-def test_forward_graph_has_dynamic_batch(fp32_engines, tiny_pair):
-    """The exported forward runs any batch, query length and past length (max_batch > 1 builds)."""
-    import onnxruntime as ort
-
-    from saguaro.runtime.checkpoint import load_checkpoint
-
-    model = load_checkpoint(tiny_pair / "target").model
-    session = ort.InferenceSession(str(fp32_engines / "target" / "forward.onnx"), providers=["CPUExecutionProvider"])
-    layers, heads, dim = model.shape.kv_shape
-    generator = torch.Generator().manual_seed(0)
-    for batch, n, past in ((3, 2, 4), (1, 1, 0), (2, 5, 9)):
-        inputs = (torch.randint(0, model.shape.vocab_size, (batch, n), generator=generator),
-                  torch.arange(past, past + n).expand(batch, n),
-                  torch.ones(n, past + n, dtype=torch.bool).tril(past).expand(batch, n, past + n),
-                  torch.randn(layers, batch, heads, past, dim, generator=generator),
-                  torch.randn(layers, batch, heads, past, dim, generator=generator))
-        names = ("input_ids", "position_ids", "attention_mask", "past_keys", "past_values")
-        got = session.run(None, {name: t.contiguous().numpy() for name, t in zip(names, inputs)})
-        with torch.no_grad():
-            want = model.forward_concat(*inputs)
-        for g, w in zip(got, want):
-            assert torch.allclose(torch.from_numpy(g), w, atol=ATOL, rtol=0)
+@pytest.mark.parametrize("role", [0, 1], ids=["target", "draft"])
+def test_a_batched_forward_gives_each_sequence_its_own_result(engines, references, role):
+    """One ragged batch (own lengths, own query lengths, one tree-masked row, a gap of an
+    idle slot between rows) equals each sequence run alone, on ONNX Runtime and torch;
+    the idle slot's cache is untouched."""
+    for engine in (engines[role], references[role]):
+        contexts = [PROMPT, PROMPT[:3], PROMPT[:7]]
+        caches = [prefilled(engine, ids)[0] for ids in contexts]
+        idle = caches.pop(1)
+        idle_entries = engine.pool.entries(idle.slot).copy()
+        tree = torch.ones(3, len(PROMPT[:7]) + 3, dtype=torch.bool)
+        tree[1, -3], tree[2, -2] = False, False
+        steps = [Step(caches[0], torch.tensor([4, 6]), torch.tensor([12, 13])),
+                 Step(caches[1], torch.tensor([9, 9, 2]), torch.tensor([7, 7, 8]), tree)]
+        alone = []
+        for step in steps:
+            twin = step.cache.fork()
+            alone.append(engine.forward(twin, step.tokens, step.positions, step.mask))
+        for got, want in zip(engine.forward_batch(steps), alone):
+            assert_same_logits(got, want)
+        assert (engine.pool.entries(idle.slot) == idle_entries).all()
+        assert [cache.length for cache in caches] == [len(PROMPT) + 2, 7 + 3]

@@ -24,6 +24,7 @@ import torch
 
 from checkpoints import make_checkpoint
 from saguaro.plugins.probs import logits_to_probs
+from saguaro.runtime.contracts import VerifyResult
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.runtime.sampling import SamplingParams
@@ -122,14 +123,18 @@ class BiasedVerify:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def verify(self, cache, tokens, positions, draft_tokens, draft_probs, uniforms, sampling):
-        logits = self.engine.forward(cache, tokens, positions)
-        p = logits_to_probs(logits, sampling.temperature)
+    def verify_batch(self, steps):
+        return [self.biased(logits, item) for logits, item in
+                zip(self.engine.forward_batch([item.step for item in steps]), steps)]
+
+    def biased(self, logits, item):
+        p = logits_to_probs(logits, item.sampling.temperature)
         accepted = 0
-        while accepted < len(draft_tokens) and p[accepted, draft_tokens[accepted]] > 0.05:
+        while accepted < len(item.draft_tokens) and p[accepted, item.draft_tokens[accepted]] > 0.05:
             accepted += 1
-        bonus = torch.multinomial(p[accepted], 1, generator=torch.Generator().manual_seed(int(uniforms[-1] * 1e9)))
-        return accepted, int(bonus)
+        seed = int(item.uniforms[-1] * 1e9)
+        bonus = torch.multinomial(p[accepted], 1, generator=torch.Generator().manual_seed(seed))
+        return VerifyResult(accepted, int(bonus))
 
 
 def test_the_chi_square_test_catches_a_biased_rule(pipeline):

@@ -38,9 +38,9 @@ def test_manifest_describes_the_build(built, tiny_pair):
     assert manifest["backend"] == "onnxruntime" and manifest["precision"] == "fp32"
     assert manifest["plugins"] == PLUGINS
     assert manifest["build"]["max_draft_tokens"] == 4 and manifest["build"]["max_branches"] == 8
-    assert set(manifest["models"]["target"]["graphs"]) == {"forward", "verify"}
-    assert set(manifest["models"]["draft"]["graphs"]) == {"forward", "branch_draft", "kv_gather"}
-    verify = manifest["models"]["target"]["signatures"]["verify"]
+    assert set(manifest["models"]["target"]["graphs"]) == {"model", "fused_verify"}
+    assert set(manifest["models"]["draft"]["graphs"]) == {"model", "branch_draft"}
+    verify = manifest["models"]["target"]["signatures"]["fused_verify"]
     assert [o["name"] for o in verify["outputs"]][:2] == ["accepted", "bonus"]
     config = json.loads((tiny_pair / "target" / "config.json").read_text())
     assert manifest["models"]["target"]["config"] == config
@@ -54,15 +54,15 @@ def test_manifest_describes_the_build(built, tiny_pair):
 
 
 def test_changed_file_is_named(engine_dir):
-    with open(engine_dir / "target" / "weights.bin", "ab") as file:
+    with open(engine_dir / "target" / "model.weights", "ab") as file:
         file.write(b"\0")
-    with pytest.raises(ManifestError, match=r"'target/weights.bin' does not match its sha256"):
+    with pytest.raises(ManifestError, match=r"'target/model.weights' does not match its sha256"):
         load_engine_pair(engine_dir)
 
 
 def test_missing_file_is_named(engine_dir):
-    (engine_dir / "draft" / "branch_draft.opt.onnx").unlink()
-    with pytest.raises(ManifestError, match=r"'draft/branch_draft.opt.onnx' listed in manifest.json is missing"):
+    (engine_dir / "draft" / "branch_draft.onnx").unlink()
+    with pytest.raises(ManifestError, match=r"'draft/branch_draft.onnx' listed in manifest.json is missing"):
         validate_engine_dir(engine_dir)
 
 

@@ -3,7 +3,6 @@ figures, the saved tiny pair (the session fixture `tiny_pair`) and the CLI."""
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch

@@ -5,7 +5,7 @@ import torch
 from checkpoints import make_checkpoint
 from saguaro.runtime.engines.torch_engine import TorchEngine
 from saguaro.runtime.sampling import SamplingParams
-from saguaro.runtime.speculator import Speculator
+from saguaro.runtime.speculator import Speculator, lockstep
 from saguaro.runtime.verifier import Verifier
 
 K = 3
@@ -19,13 +19,37 @@ def draft_engine(tmp_path_factory):
                                        layers=2, seed=3, max_positions=128))
 
 
+class Drafting:
+    """One speculator driven alone (its coroutines run through `lockstep` one at a time)."""
+
+    def __init__(self, engine, sampling=SamplingParams()):
+        self.engine, self.speculator = engine, Speculator(engine, sampling, None, capacity=128)
+
+    def draft(self, ids, k=K):
+        return lockstep(self.engine, [self.speculator.draft(ids, k)])[0]
+
+    def prespeculate(self, ids, draft, fanout):
+        return lockstep(self.engine, [self.speculator.prespeculate(ids, draft, fanout)])[0]
+
+    def adopt(self, new_ids, speculation, branch):
+        return self.speculator.adopt(new_ids, speculation, branch)
+
+    @property
+    def cached(self):
+        return self.speculator.cached
+
+    @property
+    def cache(self):
+        return self.speculator.cache
+
+
 def new_speculator(engine, sampling=SamplingParams()):
-    return Speculator(engine, K, sampling, None, capacity=128)
+    return Drafting(engine, sampling)
 
 
 def live_kv(speculator):
-    length = speculator.cache.length
-    return speculator.cache.keys[:, :, :length], speculator.cache.values[:, :, :length]
+    cache = speculator.cache
+    return cache.pool.entries(cache.slot)[..., :cache.length, :]
 
 
 def test_keys_cover_the_fanout_and_exclude_the_next_draft(draft_engine):
@@ -67,8 +91,8 @@ def test_committing_a_hit_branch_leaves_the_cache_of_ordinary_drafting(draft_eng
     expected = ordinary.draft(new_ids)
     assert adopted.tokens.tolist() == expected.tokens.tolist()
     assert speculator.cached == ordinary.cached
-    for got, want in zip(live_kv(speculator), live_kv(ordinary)):
-        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+    got, want = live_kv(speculator), live_kv(ordinary)
+    assert got.shape == want.shape and torch.allclose(torch.from_numpy(got), torch.from_numpy(want), atol=1e-5)
     # and the round after the hit goes on exactly like ordinary drafting
     follow_up = new_ids + expected.tokens[:1].tolist() + [5]
     assert speculator.draft(follow_up).tokens.tolist() == ordinary.draft(follow_up).tokens.tolist()
@@ -86,13 +110,15 @@ def test_miss_fallback_rolls_the_tree_back(draft_engine):
 
 def test_verifier_rolls_back_rejected_drafts(draft_engine):
     """The target keeps `last, d_1..d_a`; what follows matches a fresh prefill."""
-    verifier = Verifier(draft_engine, PROMPT, SamplingParams())
+    verifier = Verifier(draft_engine, SamplingParams(), K)
+    draft_engine.forward_batch([verifier.prefill(PROMPT)])
     drafter = new_speculator(draft_engine)
     draft = drafter.draft(PROMPT)
     wrong = draft.tokens.clone()
     wrong[1] = (wrong[1] + 1) % 48  # the target's own greedy choice, spoiled at depth 1
     draft.tokens = wrong
-    outcome = verifier.verify(PROMPT, draft, K)
+    outcome = draft_engine.verify_batch([verifier.round(PROMPT, draft, K)])[0]
+    verifier.keep(PROMPT, outcome)
     assert outcome.accepted == 1
     ids = PROMPT + wrong[:1].tolist() + [outcome.bonus]
     assert verifier.cache.length == len(ids) - 1
@@ -106,9 +132,38 @@ def test_cache_fork_is_independent(draft_engine):
     cache = draft_engine.new_cache(32)
     draft_engine.forward(cache, torch.tensor(PROMPT), torch.arange(len(PROMPT)))
     twin = cache.fork()
-    before = twin.keys.clone()
+    before = twin.pool.entries(twin.slot).copy()
     draft_engine.forward(cache, torch.tensor([3, 4]), torch.tensor([5, 6]))
     cache.truncate(2)
-    assert twin.length == len(PROMPT) and torch.equal(twin.keys, before)
+    assert twin.length == len(PROMPT) and (twin.pool.entries(twin.slot) == before).all()
     with pytest.raises(ValueError, match="truncate"):
         cache.truncate(10)
+
+
+def test_sequences_drafted_in_lockstep_draft_what_each_drafts_alone(draft_engine):
+    """One batched forward per step for several sequences (own lengths, own K, one
+    pre-speculating) gives every sequence exactly its own result."""
+    contexts = [PROMPT, PROMPT[:2], [1, 2, 3, 4, 5, 6, 7, 8], [9]]
+    lengths = [K, 1, 2, K]
+    alone = [new_speculator(draft_engine).draft(ids, k) for ids, k in zip(contexts, lengths)]
+    together = [Speculator(draft_engine, SamplingParams(), None, capacity=128) for _ in contexts]
+    drafts = lockstep(draft_engine, [s.draft(ids, k) for s, ids, k in zip(together, contexts, lengths)])
+    for mine, theirs in zip(drafts, alone):
+        assert mine.tokens.tolist() == theirs.tokens.tolist()
+        assert torch.allclose(mine.logits, theirs.logits, atol=1e-5)
+    speculations = lockstep(draft_engine, [together[0].prespeculate(contexts[0], drafts[0], FANOUT),
+                                           together[3].draft(contexts[3] + drafts[3].tokens.tolist(), K)])
+    solo = new_speculator(draft_engine)
+    expected = solo.prespeculate(PROMPT, solo.draft(PROMPT), FANOUT)
+    assert speculations[0].keys == expected.keys
+    assert [d.tokens.tolist() for d in speculations[0].drafts] == [d.tokens.tolist() for d in expected.drafts]
+
+
+def test_a_released_slot_is_reused_and_the_pool_says_when_it_is_full(draft_engine):
+    caches = [draft_engine.new_cache(32) for _ in range(draft_engine.pool.slots)]
+    with pytest.raises(RuntimeError, match="KV slots are in use"):
+        draft_engine.new_cache(32)
+    freed = caches.pop(1).slot
+    del caches  # released when garbage-collected, too
+    again = draft_engine.new_cache(32)
+    assert again.slot == 0 or again.slot == freed

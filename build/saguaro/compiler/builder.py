@@ -22,9 +22,8 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from saguaro.compiler import export
+from saguaro.compiler import export, onnxruntime_builder
 from saguaro.compiler.config import BuildConfig, ConfigError, config_to_dict
-from saguaro.compiler.onnxruntime_builder import quantize, save_optimized
 from saguaro.compiler.tensorrt_builder import TensorRTBuildOptions, build_engine
 from saguaro.plugins.tensorrt_registry import import_tensorrt
 from saguaro.runtime.engines.manifest import MANIFEST_FILE, sha256_file, write_manifest
@@ -34,9 +33,11 @@ from saguaro.runtime.checkpoint import (CheckpointError, check_pair_compatible, 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 TOKENIZER_DIR = "tokenizer"
-GRAPHS = {"target": ("forward", "verify"), "draft": ("forward", "branch_draft", "kv_gather")}
-# TensorRT commits a branch between engine calls (torch on the device), not in a graph.
-TENSORRT_SKIPS = ("kv_gather",)
+# The graphs of each role, by backend. TensorRT parses standard ops (and does its own
+# fusion), so it gets the traced graph with FusedVerify fused onto the forward; ONNX
+# Runtime gets its fused operators. Both commit a branch between engine calls (in place).
+GRAPHS = {"onnxruntime": onnxruntime_builder.GRAPHS,
+          "tensorrt": {"target": ("forward", "verify"), "draft": ("forward", "branch_draft")}}
 
 
 @dataclass
@@ -83,11 +84,11 @@ def check_backend(config: BuildConfig) -> None:
             import_tensorrt()
         except ImportError as error:
             raise ConfigError(f"backend=tensorrt: {error}") from error
-    elif config.precision == "int4":
+    elif config.precision in ("int8", "int4"):
         try:
             from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer  # noqa: F401
         except ImportError as error:
-            raise ConfigError(f"precision=int4 needs ONNX Runtime's MatMulNBits quantiser ({error}); "
+            raise ConfigError(f"precision={config.precision} needs ONNX Runtime's MatMulNBits quantiser ({error}); "
                               "pip install onnx-ir") from error
 
 
@@ -100,30 +101,24 @@ def check_output(out: Path) -> None:
 
 def export_model(config: BuildConfig, source: Source, folder: Path, work: Path) -> dict[str, Path]:
     """The role's ONNX graphs (plugin nodes included) in `folder`; returns stem -> path."""
+    if config.backend == "onnxruntime":
+        return onnxruntime_builder.export_role(config, source.role, source.shape, source.path, folder)
     model = load_checkpoint(source.path).model
     forward = export.export_forward(model, work / f"{source.role}_forward.onnx", config.opset)
-    if config.backend == "onnxruntime":
-        forward = quantize(forward, config.precision)
     graphs = {"forward": forward}
     if source.role == "target":
         graphs["verify"] = export.assemble_verify(forward, config.opset, source.shape.vocab_size)
     paths = export.save_sharing_weights(graphs, folder)
     if source.role == "draft":
-        layers, heads, dim = source.shape.kv_shape
-        small = {"branch_draft": export.branch_draft_model(config.opset, config.max_branches),
-                 "kv_gather": export.kv_gather_model(config.opset, layers, heads, dim)}
-        for stem, graph in small.items():
-            if config.backend == "tensorrt" and stem in TENSORRT_SKIPS:
-                continue
-            paths[stem] = folder / f"{stem}.onnx"
-            onnx.save_model(graph, str(paths[stem]))
+        paths["branch_draft"] = folder / "branch_draft.onnx"
+        onnx.save_model(export.branch_draft_model(config.opset, config.max_branches), str(paths["branch_draft"]))
     return paths
 
 
 def build_backend(config: BuildConfig, path: Path, shape) -> Path:
-    """The file the runtime loads for one graph: ORT's optimised model or a TensorRT plan."""
+    """The file the runtime loads for one graph: the checked ONNX file, or a TensorRT plan."""
     if config.backend == "onnxruntime":
-        return save_optimized(path, config.session)
+        return onnxruntime_builder.check_loads(path, config.session)
     return build_engine(path, path.with_suffix(".plan"), tensorrt_options(config, shape.vocab_size))
 
 
@@ -167,7 +162,9 @@ def graph_signature(path: Path) -> dict:
 def versions(config: BuildConfig) -> dict[str, str]:
     found = {"python": sys.version.split()[0], "torch": torch.__version__, "onnx": onnx.__version__,
              "onnxruntime": onnxruntime.__version__, "transformers": transformers.__version__,
-             "opset": str(config.opset), "exporter": "torch.onnx.export (TorchScript)"}
+             "opset": str(config.opset),
+             "exporter": {"onnxruntime": "saguaro.compiler.fused_export (onnx.helper, ONNX Runtime fused ops)",
+                          "tensorrt": "torch.onnx.export (TorchScript)"}[config.backend]}
     if config.backend == "tensorrt":
         found["tensorrt"] = import_tensorrt().__version__
     return found
@@ -220,8 +217,7 @@ def build_engines(config: BuildConfig, out: Path, show_progress: bool = True) ->
     shutil.rmtree(staging, ignore_errors=True)
     (staging / "work").mkdir(parents=True)
     record = BuildRecord()
-    skipped = len(TENSORRT_SKIPS) if config.backend == "tensorrt" else 0
-    steps = sum(1 + len(GRAPHS[s.role]) for s in sources) - skipped + 2
+    steps = sum(1 + len(GRAPHS[config.backend][s.role]) for s in sources) + 2
     try:
         with tqdm(total=steps, desc="build", disable=not show_progress, file=sys.stderr) as bar:
             for source in sources:

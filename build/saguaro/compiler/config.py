@@ -42,7 +42,7 @@ class BuildConfig:
     max_draft_tokens: int = 8     # K: the longest draft a verify graph accepts
     max_branches: int = 16        # fan-out budget B: branches pre-speculated per round
     max_context: int = 512        # committed tokens per sequence (prompt + output)
-    max_batch: int = 1
+    max_batch: int = 8            # KV slots per model: sequences decoded at once
     opset: int = MIN_OPSET
     session: SessionSettings = SessionSettings()
 

@@ -1,9 +1,9 @@
-"""ONNX export of the Llama forward, and assembly of the engine graphs around it.
+"""The TensorRT export: the Llama forward traced to standard ONNX ops (TensorRT parses and
+fuses those itself), and the plugin graphs assembled around it. ONNX Runtime engines use
+`fused_export` instead; `branch_draft_model` serves both backends.
 
-One engine is a few small graphs rather than one graph with many outputs, because ONNX
-Runtime runs every node of a graph on every call whatever outputs are fetched (measured:
-fetching only a cheap output of a graph still pays for all its MatMuls). So each graph
-holds exactly the work of one kind of call:
+TensorRT engines are a few graphs rather than one graph with many outputs, so each holds
+exactly the work of one kind of call:
 
   forward       (both models) the model: logits + present K/V; prefill, decode steps and
                 tree steps (any query length, explicit mask).
@@ -12,8 +12,6 @@ holds exactly the work of one kind of call:
                 output for debugging only (the engine never fetches it). Batch 1.
   branch_draft  (draft) the `BranchDraft` node alone: branch keys, positions, tree mask.
                 No weights; it runs once per round between the glue and the tree steps.
-  kv_gather     (draft) two `GatherKV` nodes (keys, values): the KV gather that commits a
-                hit branch, keeping entries [0, start) then those at `source_indices`.
 
 Forward I/O (the layout of `runtime.llama.Llama.forward_concat`):
   input_ids, position_ids [batch, n] int64; attention_mask [batch, n, past + n] bool;
@@ -41,8 +39,6 @@ VERIFY_INPUTS = ("draft_tokens", "draft_probs", "uniforms", "temperature", "top_
 VERIFY_OUTPUTS = ("accepted", "bonus")
 BRANCH_INPUTS = ("scores", "draft_tokens", "fanout", "context_length")
 BRANCH_OUTPUTS = ("depth", "token", "rank", "positions", "window_mask")
-GATHER_INPUTS = ("keys", "values", "start", "source_indices")
-GATHER_OUTPUTS = ("gathered_keys", "gathered_values")
 WEIGHTS_FILE = "weights.bin"
 
 # Symbolic dimension names: the ORT and TensorRT backends read shapes by these names.
@@ -145,23 +141,6 @@ def branch_draft_model(opset: int, max_branches: int) -> onnx.ModelProto:
          _value("window_mask", TensorProto.BOOL, ["tree", "window"])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     _add_plugin(model, branch_draft_onnx.function_proto(opset))
-    return model
-
-
-def kv_gather_model(opset: int, layers: int, kv_heads: int, head_dim: int) -> onnx.ModelProto:
-    """Two `GatherKV` nodes (keys, values): keep entries `[0, start)`, then append the
-    entries at `source_indices`, on the sequence axis of the forward's cache layout."""
-    cache_shape = [layers, "batch", kv_heads, "entries", head_dim]
-    out_shape = [layers, "batch", kv_heads, "kept", head_dim]
-    nodes = [branch_draft_onnx.make_gather_node([cache, "start", "source_indices"], [out], name=f"GatherKV_{cache}")
-             for cache, out in zip(GATHER_INPUTS[:2], GATHER_OUTPUTS)]
-    graph = helper.make_graph(
-        nodes, "kv_gather",
-        [_value("keys", TensorProto.FLOAT, cache_shape), _value("values", TensorProto.FLOAT, cache_shape),
-         _value("start", TensorProto.INT64, []), _value("source_indices", TensorProto.INT64, ["moved"])],
-        [_value(name, TensorProto.FLOAT, out_shape) for name in GATHER_OUTPUTS])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    _add_plugin(model, branch_draft_onnx.gather_function_proto(opset))
     return model
 
 

@@ -1,11 +1,14 @@
 """The contracts between the decoding loops and the engines under them, in one place.
 
-An engine runs one model over a KV cache it allocates: `forward` appends tokens at given
-positions under an attention mask (causal when none is given; a tree mask for draft
-branches) and returns their logits; `verify` runs the fused verification op on top of a
-forward so that only the outcome `(accepted, bonus)` leaves the engine; `plan_branches`
-runs the branch-keyed drafting op. Caches truncate (roll back), gather (commit a branch)
-and fork. Implementations: `engines/torch_engine.py` (eager reference),
+An engine runs one model over KV caches it allocates, one per sequence (a "slot" of its
+cache pool). `forward_batch` runs several sequences in one batched forward: each `Step`
+appends its own tokens, at its own positions, under its own attention mask (causal when
+none is given; a tree mask for draft branches), to its own cache, and gets its own
+logits. `verify_batch` does the same for verification rounds and runs the fused
+verification op on each, so only the outcomes `(accepted, bonus)` leave the engine;
+`plan_branches` runs the branch-keyed drafting op. Caches truncate (roll back), gather
+(commit a branch), fork and release their slot. `forward` and `verify` are the
+one-sequence forms. Implementations: `engines/torch_engine.py` (eager reference),
 `engines/onnxruntime_engine.py` and `engines/tensorrt_engine.py` (compiled engines).
 
 The loops exchange small result records: a `Draft` (K proposed tokens), a `VerifyResult`
@@ -14,7 +17,7 @@ The loops exchange small result records: a `Draft` (K proposed tokens), a `Verif
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
@@ -27,6 +30,11 @@ def draft_cache_capacity(max_context: int, max_branches: int, num_draft_tokens: 
     K drafts, the last fed by the glue forward, and K steps of each of `max_branches`
     branches; none without pre-speculation), plus one spare entry."""
     return max_context + (max_branches + 1) * num_draft_tokens + 1
+
+
+def target_cache_capacity(max_context: int, num_draft_tokens: int) -> int:
+    """KV entries a target cache needs: the context, and a verification's K drafts."""
+    return max_context + num_draft_tokens + 1
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,36 @@ class Cache(Protocol):
     def truncate(self, length: int) -> None: ...
     def gather(self, start: int, source_indices: torch.Tensor) -> None: ...
     def fork(self) -> "Cache": ...
+    def release(self) -> None: ...
+
+
+@dataclass
+class Step:
+    """One sequence's part of a batched forward."""
+
+    cache: Cache
+    tokens: torch.Tensor               # [n] int64
+    positions: torch.Tensor            # [n] int64
+    mask: torch.Tensor | None = None   # [n, cache.length + n] bool; None: causal
+
+
+@dataclass
+class VerifyStep:
+    """One sequence's verification round: `step` feeds `[last, d_1..d_K]`."""
+
+    step: Step
+    draft_tokens: torch.Tensor         # [K]
+    draft_probs: torch.Tensor | None   # [K, V]; None when greedy
+    uniforms: torch.Tensor             # [K + 1]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """A round's outcome: `accepted` drafts (0..K), then the target's `bonus` token."""
+
+    accepted: int
+    bonus: int
 
 
 class Engine(Protocol):
@@ -83,16 +121,23 @@ class Engine(Protocol):
     tokenizer: object
 
     def new_cache(self, capacity: int) -> Cache: ...
-
-    def forward(self, cache: Cache, tokens: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor: ...
-
-    def verify(self, cache: Cache, tokens: torch.Tensor, positions: torch.Tensor,
-               draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-               uniforms: torch.Tensor, sampling: SamplingParams) -> tuple[int, int]: ...
-
+    def forward_batch(self, steps: Sequence[Step]) -> list[torch.Tensor]: ...
+    def verify_batch(self, steps: Sequence[VerifyStep]) -> list[VerifyResult]: ...
     def plan_branches(self, scores: torch.Tensor, draft_tokens: torch.Tensor,
                       fanout: torch.Tensor, context_length: int) -> BranchPlan: ...
+
+
+class OneSequenceForms:
+    """`forward` and `verify` for one sequence, in terms of an engine's batched forms."""
+
+    def forward(self, cache: Cache, tokens: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward_batch([Step(cache, tokens, positions, mask)])[0]
+
+    def verify(self, cache: Cache, tokens: torch.Tensor, positions: torch.Tensor, draft_tokens: torch.Tensor,
+               draft_probs: torch.Tensor | None, uniforms: torch.Tensor, sampling: SamplingParams) -> VerifyResult:
+        return self.verify_batch([VerifyStep(Step(cache, tokens, positions), draft_tokens, draft_probs,
+                                             uniforms, sampling)])[0]
 
 
 def causal_mask(past: int, count: int) -> torch.Tensor:
@@ -111,14 +156,6 @@ class Draft:
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """A round's outcome: `accepted` drafts (0..K), then the target's `bonus` token."""
-
-    accepted: int
-    bonus: int
 
 
 @dataclass

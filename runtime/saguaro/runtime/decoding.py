@@ -1,10 +1,13 @@
-"""The decoding loops: autoregressive, and speculative with optional pre-speculation (SSD).
+"""The decoding loop: rounds of speculative decoding over a batch of sequences, with the
+draft pre-speculating every sequence's likely outcomes while the target verifies.
 
-`speculative_decode` is the whole algorithm (DESIGN.md section 1). The draft runs in a
-worker thread of its own; while the target verifies a round's draft, the worker
-pre-speculates the round's likely outcomes. On a hit the next draft is ready; on a miss
-it is drafted the ordinary way. Without pre-speculation this is plain speculative
-decoding, and with K = 0 it is autoregressive decoding.
+`Decoder.decode_round` is the whole algorithm (DESIGN.md section 1), for every active
+sequence at once: the draft worker (a thread of its own, on its own core) pre-speculates
+while the target verifies every sequence's `[last, d_1..d_K]` in one batched forward; on
+a hit the next draft is ready, the misses are drafted together the ordinary way. A
+sequence without pre-speculation is plain speculative decoding; with K = 0 it drafts
+nothing and each round is one autoregressive step. Sequences join and leave between
+rounds, and nothing a sequence computes depends on the others in its batch.
 """
 from __future__ import annotations
 
@@ -12,21 +15,28 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence as Seq
 
-import torch
-
-from saguaro.plugins.probs import logits_to_probs, sample_from
 from saguaro.runtime.budget import bonus_rank
-from saguaro.runtime.contracts import draft_cache_capacity
+from saguaro.runtime.contracts import SpeculationCache, VerifyResult, VerifyStep, draft_cache_capacity
 from saguaro.runtime.options import DecodeOptions
-from saguaro.runtime.sampling import BONUS_STREAM, SamplingParams, keyed_uniforms
-from saguaro.runtime.speculator import Speculator
+from saguaro.runtime.sampling import SamplingParams
+from saguaro.runtime.speculator import Speculator, empty_draft, lockstep
 from saguaro.runtime.stats import GenerationStats
 from saguaro.runtime.verifier import Verifier
 
 OnTokens = Callable[[list[int]], None]
 Cancelled = Callable[[], bool]
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    options: DecodeOptions
+    sampling: SamplingParams            # seeded (`SamplingParams.with_seed`)
+    eos_token_ids: frozenset[int] = frozenset()
+    on_tokens: OnTokens | None = None
+    cancelled: Cancelled = lambda: False
 
 
 @dataclass
@@ -38,30 +48,13 @@ class Generation:
     seed: int | None = None  # the sampling seed, so a sampled generation can be replayed
 
 
-@dataclass
-class Elapsed:
-    seconds: float = 0.0
-
-
-@contextmanager
-def timed(stats: GenerationStats, field: str):
-    """Time a block, add it to `stats.<field>`, and hand the block's own time back."""
-    elapsed, started = Elapsed(), time.perf_counter()
-    try:
-        yield elapsed
-    finally:
-        elapsed.seconds = time.perf_counter() - started
-        setattr(stats, field, getattr(stats, field) + elapsed.seconds)
-
-
 class Output:
-    """Committed tokens, clipped to max_tokens, the context, and the first EOS."""
+    """Committed tokens, clipped to max_tokens, the context, and the first end token."""
 
-    def __init__(self, prompt_ids, options: DecodeOptions, eos_token_id, max_context: int,
-                 on_tokens: OnTokens | None):
-        self.ids, self.new = list(prompt_ids), []
-        self.max_tokens, self.max_context = options.max_tokens, max_context
-        self.eos, self.on_tokens = eos_token_id, on_tokens
+    def __init__(self, request: Request, max_context: int):
+        self.ids, self.new = list(request.prompt_ids), []
+        self.max_tokens, self.max_context = request.options.max_tokens, max_context
+        self.eos, self.on_tokens = request.eos_token_ids, request.on_tokens
         self.finish_reason = None
 
     @property
@@ -70,8 +63,9 @@ class Output:
 
     def commit(self, tokens: list[int]) -> None:
         tokens = tokens[:self.room]
-        if self.eos in tokens:
-            tokens = tokens[:tokens.index(self.eos) + 1]
+        ends = [i for i, token in enumerate(tokens) if token in self.eos]
+        if ends:
+            tokens = tokens[:ends[0] + 1]
             self.finish_reason = "eos"
         self.ids += tokens
         self.new += tokens
@@ -81,81 +75,141 @@ class Output:
             self.finish_reason = "length" if len(self.new) >= self.max_tokens else "context"
 
 
-def speculative_decode(target, draft, prompt_ids, options: DecodeOptions, sampling: SamplingParams,
-                       eos_token_id=None, on_tokens: OnTokens | None = None,
-                       cancelled: Cancelled = lambda: False) -> Generation:
-    k, policy = options.draft_tokens, options.fanout_policy(draft.info.max_branches)
-    stats = GenerationStats(options.mode, k)
-    started = time.perf_counter()
-    with timed(stats, "prefill_s"):
-        verifier = Verifier(target, prompt_ids, sampling)
-    branches = policy.max_branches if options.prespeculating else 0
-    capacity = draft_cache_capacity(target.info.max_context, branches, k)
-    speculator = Speculator(draft, k, sampling, options.saguaro(sampling), capacity)
-    out = Output(prompt_ids, options, eos_token_id, target.info.max_context, on_tokens)
+class Sequence:
+    """One request's decoding state between rounds."""
 
-    def prespeculate(ids, proposal):
-        """Runs in the worker, so even choosing the fan-out stays off the critical path."""
-        with timed(stats, "prespeculate_s") as elapsed:
-            speculation = speculator.prespeculate(ids, proposal, policy.fanout())
-        speculation.seconds = elapsed.seconds
-        return speculation
+    def __init__(self, request: Request, target, draft):
+        options = request.options
+        self.request, self.k = request, options.draft_tokens
+        self.stats = GenerationStats(options.mode, self.k)
+        self.out = Output(request, target.info.max_context)
+        self.policy = options.fanout_policy(draft.info.max_branches)
+        self.prespeculating = options.prespeculating
+        self.verifier = Verifier(target, request.sampling, self.k)
+        self.speculator = None
+        if self.k > 0:
+            branches = self.policy.max_branches if self.prespeculating else 0
+            self.speculator = Speculator(draft, request.sampling, options.saguaro(request.sampling),
+                                         draft_cache_capacity(target.info.max_context, branches, self.k))
+        self.proposal = None if self.k else empty_draft(draft.info.vocab_size, request.sampling)
+        self.speculation: SpeculationCache | None = None
+        self.started = time.perf_counter()
 
-    with ThreadPoolExecutor(1, thread_name_prefix="draft") as worker:
-        with timed(stats, "draft_s"):
-            proposal = worker.submit(speculator.draft, tuple(out.ids)).result()
-        while out.finish_reason is None and not cancelled():
-            ids = tuple(out.ids)
-            pending = worker.submit(prespeculate, ids, proposal) if options.prespeculating else None
-            with timed(stats, "verify_s") as verifying:
-                outcome = verifier.verify(ids, proposal, min(k, out.room - 1))
-            with timed(stats, "wait_s"):
-                speculation = pending.result() if pending else None
-            stats.record_round(outcome.accepted)
-            out.commit(proposal.tokens[:outcome.accepted].tolist() + [outcome.bonus])
-            if out.finish_reason is not None:
-                break
-            hit = speculation.lookup(outcome.accepted, outcome.bonus) if speculation else None
-            if speculation:
-                stats.branches_drafted += len(speculation.drafts)
-                policy.observe(outcome.accepted, bonus_rank(speculation.scores, proposal.tokens,
-                                                            outcome.accepted, outcome.bonus))
-                policy.observe_timing(verifying.seconds, speculation.seconds)
-            if hit is not None:
-                stats.cache_hits += 1
-                proposal = worker.submit(speculator.adopt, tuple(out.ids), speculation, hit).result()
-            else:
-                stats.cache_misses += speculation is not None
-                with timed(stats, "draft_s"):
-                    proposal = worker.submit(speculator.draft, tuple(out.ids)).result()
-    return finish(out, stats, started, sampling.seed)
+    @property
+    def done(self) -> bool:
+        return self.out.finish_reason is not None
 
+    def check_cancelled(self) -> None:
+        if not self.done and self.request.cancelled():
+            self.out.finish_reason = "cancelled"
 
-def autoregressive_decode(target, prompt_ids, options: DecodeOptions, sampling: SamplingParams,
-                          eos_token_id=None, on_tokens: OnTokens | None = None,
-                          cancelled: Cancelled = lambda: False) -> Generation:
-    """One target forward per token: the baseline every other mode must reproduce."""
-    stats = GenerationStats("autoregressive", 0)
-    started = time.perf_counter()
-    cache = target.new_cache(target.info.max_context)
-    out = Output(prompt_ids, options, eos_token_id, target.info.max_context, on_tokens)
-    with timed(stats, "prefill_s"):
-        logits = target.forward(cache, torch.tensor(prompt_ids), torch.arange(len(prompt_ids)))[-1]
-    while not cancelled():
-        uniform = keyed_uniforms(sampling.seed, BONUS_STREAM, [len(out.ids)])
-        token = int(torch.argmax(logits) if sampling.greedy else sample_from(
-            logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p), uniform[0]))
-        stats.record_round(0)
-        out.commit([token])
-        if out.finish_reason is not None:
-            break
-        with timed(stats, "verify_s"):
-            logits = target.forward(cache, torch.tensor([token]), torch.tensor([len(out.ids) - 1]))[-1]
-    return finish(out, stats, started, sampling.seed)
+    def verification(self) -> VerifyStep:
+        return self.verifier.round(self.out.ids, self.proposal, min(len(self.proposal), self.out.room - 1))
+
+    def commit(self, outcome: VerifyResult, speculation: SpeculationCache | None, verify_s: float) -> None:
+        """The round's outcome: keep it, then look it up among the pre-speculated drafts."""
+        drafted = self.proposal.tokens
+        self.verifier.keep(self.out.ids, outcome)
+        self.stats.record_round(outcome.accepted)
+        self.out.commit(drafted[:outcome.accepted].tolist() + [outcome.bonus])
+        if self.k:
+            self.proposal = None
+        if self.done or speculation is None:
+            return
+        self.stats.branches_drafted += len(speculation.drafts)
+        self.policy.observe(outcome.accepted, bonus_rank(speculation.scores, drafted, outcome.accepted, outcome.bonus))
+        self.policy.observe_timing(verify_s, speculation.seconds)
+        branch = speculation.lookup(outcome.accepted, outcome.bonus)
+        if branch is None:
+            self.stats.cache_misses += 1
+        else:
+            self.stats.cache_hits += 1
+            self.proposal = self.speculator.adopt(list(self.out.ids), speculation, branch)
+
+    def finish(self) -> Generation:
+        for side in (self.verifier.cache, self.speculator):
+            if side is not None:
+                side.release()
+        out, stats = self.out, self.stats
+        stats.tokens, stats.total_s = len(out.new), time.perf_counter() - self.started
+        return Generation(out.ids[:len(out.ids) - len(out.new)], out.new, out.finish_reason or "cancelled",
+                          stats, self.request.sampling.seed)
 
 
-def finish(out: Output, stats: GenerationStats, started: float, seed: int | None) -> Generation:
-    stats.tokens = len(out.new)
-    stats.total_s = time.perf_counter() - started
-    return Generation(out.ids[:len(out.ids) - len(out.new)], out.new,
-                      out.finish_reason or "cancelled", stats, seed)
+@contextmanager
+def stopwatch():
+    """`with stopwatch() as elapsed:` ... `elapsed()` is the block's seconds."""
+    started, stopped = time.perf_counter(), []
+    yield lambda: (stopped[0] if stopped else time.perf_counter()) - started
+    stopped.append(time.perf_counter())
+
+
+class Decoder:
+    """The target, the draft and the draft's worker thread; runs rounds over batches."""
+
+    def __init__(self, target, draft):
+        self.target, self.draft = target, draft
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="draft")
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=True)
+
+    def start(self, requests: Seq[Request]) -> list[Sequence]:
+        """New sequences: the target prefills their prompts (one batched forward), the
+        draft drafts their first proposals (one batched forward per step)."""
+        sequences = [Sequence(request, self.target, self.draft) for request in requests]
+        prefills = [step for step in (s.verifier.prefill(s.request.prompt_ids) for s in sequences) if step]
+        with stopwatch() as prefilling:
+            if prefills:
+                self.target.forward_batch(prefills)
+        for sequence in sequences:
+            sequence.stats.prefill_s += prefilling()
+        self.draft_misses(sequences)
+        return sequences
+
+    def decode_round(self, batch: list[Sequence]) -> None:
+        """One round for every sequence of the batch (DESIGN.md section 1)."""
+        speculating = [s for s in batch if s.prespeculating and s.out.room > 1]
+        pending = self.worker.submit(self.prespeculate, speculating)
+        with stopwatch() as verifying:
+            outcomes = self.target.verify_batch([s.verification() for s in batch])
+        with stopwatch() as waiting:
+            speculations = dict(zip(map(id, speculating), pending.result()))
+        for sequence, outcome in zip(batch, outcomes):
+            sequence.stats.verify_s += verifying()
+            sequence.stats.wait_s += waiting()
+            sequence.commit(outcome, speculations.get(id(sequence)), verifying())
+        self.draft_misses([s for s in batch if not s.done])
+
+    def prespeculate(self, batch: list[Sequence]) -> list[SpeculationCache]:
+        """In the worker: every sequence's likely outcomes, all drafted in lockstep."""
+        with stopwatch() as elapsed:
+            speculations = lockstep(self.draft, [s.speculator.prespeculate(s.out.ids, s.proposal, s.policy.fanout())
+                                                 for s in batch])
+        for sequence, speculation in zip(batch, speculations):
+            speculation.seconds = elapsed()
+            sequence.stats.prespeculate_s += elapsed()
+        return speculations
+
+    def draft_misses(self, batch: list[Sequence]) -> None:
+        """Ordinary drafts, in the worker, for the sequences a round left without one."""
+        needing = [s for s in batch if s.proposal is None]
+        if not needing:
+            return
+        with stopwatch() as drafting:
+            drafts = self.worker.submit(lockstep, self.draft, [s.speculator.draft(s.out.ids, s.k)
+                                                               for s in needing]).result()
+        for sequence, draft in zip(needing, drafts):
+            sequence.proposal = draft
+            sequence.stats.draft_s += drafting()
+
+    def generate(self, requests: Seq[Request]) -> list[Generation]:
+        """Decode `requests` together until each has finished; one generation each."""
+        sequences = self.start(requests)
+        while True:
+            for sequence in sequences:
+                sequence.check_cancelled()
+            active = [s for s in sequences if not s.done]
+            if not active:
+                return [s.finish() for s in sequences]
+            self.decode_round(active)

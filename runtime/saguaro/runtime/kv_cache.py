@@ -1,46 +1,98 @@
-"""KV caches: the torch engine's preallocated buffer, and the compiled engines' two slots.
+"""KV caches: a pool of per-sequence slots (the torch and ONNX Runtime engines), and the
+two-slot cache of the TensorRT engine.
 
-Both hold one sequence. The index of an entry is not its position: branch entries of a
-draft tree sit after the prefix with positions of their own. Entries `[0, length)` are
+A cache holds one sequence. The index of an entry is not its position: branch entries of
+a draft tree sit after the prefix with positions of their own. Entries `[0, length)` are
 live; `truncate` rolls back, `gather` commits a branch (keep `[0, start)`, then the
-entries at `source_indices`, in order), `fork` copies.
+entries at `source_indices`, in order), `fork` copies, `release` frees the slot.
 """
 from __future__ import annotations
+
+import threading
+import weakref
 
 import numpy as np
 import torch
 
-from saguaro.plugins.branch_draft.reference import gather_kv
+
+class KVPool:
+    """The KV caches of up to `slots` sequences of one model, in one buffer
+    `[layers, 2 (keys, values), slots, kv_heads, capacity, head_dim]` float32.
+
+    A sequence owns one slot (`allocate`). Layer i of the slots `first..last` is the
+    contiguous view `buffer[i, k|v, first:last + 1]`: a batched forward binds it as both
+    its past input and its present output, so new entries are written in place and a
+    step copies nothing. The buffer is numpy memory that torch views without a copy.
+    A slot is free again when its cache is released or garbage-collected.
+    """
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, capacity: int):
+        self.buffer = np.zeros((layers, 2, slots, kv_heads, capacity, head_dim), np.float32)
+        self.tensor = torch.from_numpy(self.buffer)
+        self.capacity = capacity
+        self._free = list(range(slots))
+        self._lock = threading.Lock()
+
+    @property
+    def slots(self) -> int:
+        return self.buffer.shape[2]
+
+    def allocate(self, capacity: int) -> "PooledCache":
+        if capacity > self.capacity:
+            raise ValueError(f"cache capacity {capacity} exceeds the {self.capacity} entries a slot holds")
+        with self._lock:
+            if not self._free:
+                raise RuntimeError(f"all {self.slots} KV slots are in use (the engines' max_batch); "
+                                   "release a cache or build with a larger --max-batch")
+            slot = min(self._free)  # low slots first: a batch then binds a short range
+            self._free.remove(slot)
+        return PooledCache(self, slot, capacity)
+
+    def _release(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    def entries(self, slot: int) -> np.ndarray:
+        """`[layers, 2, kv_heads, capacity, head_dim]`: one slot's keys and values (a view)."""
+        return self.buffer[:, :, slot]
 
 
-class KVCache:
-    """The torch engine's cache: `[layers, kv_heads, capacity, head_dim]`, written in place."""
+class PooledCache:
+    """One sequence's cache: a slot of a `KVPool` and its live length."""
 
-    def __init__(self, shape, capacity: int, dtype: torch.dtype = torch.float32):
-        layers, heads, dim = shape.kv_shape
-        self.keys = torch.zeros(layers, heads, capacity, dim, dtype=dtype)
-        self.values = torch.zeros(layers, heads, capacity, dim, dtype=dtype)
+    def __init__(self, pool: KVPool, slot: int, capacity: int):
+        self.pool, self.slot, self._capacity = pool, slot, capacity
         self.length = 0
+        self._free_slot = weakref.finalize(self, pool._release, slot)
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2]
+        return self._capacity
 
     def truncate(self, length: int) -> None:
+        """Roll back: entries past `length` are dead and the next forward overwrites them."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
         self.length = length
 
     def gather(self, start: int, source_indices: torch.Tensor) -> None:
-        """Keep `[0, start)`, then move the entries at `source_indices` to follow it in order."""
-        gather_kv(self.keys, start, source_indices)
-        gather_kv(self.values, start, source_indices)
-        self.length = start + len(source_indices)
+        """Keep `[0, start)`, then the entries at `source_indices`, in order (a branch commit),
+        in place. Sources lie at or after their destinations; the gather reads before it writes."""
+        sources = np.asarray(source_indices, dtype=np.int64)
+        if not 0 <= start <= self.length or (len(sources) and not 0 <= sources.min() <= sources.max() < self.length):
+            raise ValueError(f"gather({start}, {sources.tolist()}) is outside the cache's {self.length} entries")
+        entries = self.pool.entries(self.slot)
+        entries[..., start:start + len(sources), :] = entries[..., sources, :]
+        self.length = start + len(sources)
 
-    def fork(self) -> "KVCache":
-        twin = object.__new__(KVCache)
-        twin.keys, twin.values, twin.length = self.keys.clone(), self.values.clone(), self.length
+    def fork(self) -> "PooledCache":
+        twin = self.pool.allocate(self._capacity)
+        self.pool.entries(twin.slot)[..., :self.length, :] = self.pool.entries(self.slot)[..., :self.length, :]
+        twin.length = self.length
         return twin
+
+    def release(self) -> None:
+        self._free_slot()
 
 
 class SlotKVCache:
@@ -105,6 +157,9 @@ class SlotKVCache:
                 _copy(target[:, :, :, :start], source[:, :, :, :start])
                 _copy(target[:, :, :, start:], source[:, :, :, source_indices])
         self.swap(start + count)
+
+    def release(self) -> None:
+        """Its memory goes with the object (the TensorRT engine allocates per sequence)."""
 
     def fork(self) -> "SlotKVCache":
         twin = SlotKVCache(*self.dims, self._capacity, self._gather_graph, self._slots.device)

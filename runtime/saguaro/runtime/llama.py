@@ -5,7 +5,8 @@ forward does not give cleanly: arbitrary positions and a full boolean attention 
 query (tree/branch drafting), truncation, and gathering cache entries to commit a branch.
 The layer math is written once here and used by both forms the project needs:
 
-- `forward_cached`: writes new K/V into a preallocated cache in place (the torch engine);
+- `forward_packed`: a ragged batch of sequences writing new K/V into their slots of a
+  preallocated pool in place (the torch engine);
 - `forward_concat`: takes past K/V and returns present K/V (the ONNX export form).
 Parameter names match Hugging Face's, so a checkpoint's state dict loads unchanged.
 """
@@ -187,22 +188,22 @@ class Llama(nn.Module):
         return self._logits(h), torch.stack(present_keys), torch.stack(present_values)
 
     @torch.inference_mode()
-    def forward_cached(self, cache, tokens: torch.Tensor, positions: torch.Tensor,
-                       mask: torch.Tensor) -> torch.Tensor:
-        """Engine form, batch 1, over a `kv_cache.KVCache`. `tokens`, `positions` `[n]`;
-        `mask` `[n, cache.length + n]`.
-        Appends n entries to `cache` and returns logits `[n, vocab]`."""
-        start, n = cache.length, len(tokens)
-        if start + n > cache.capacity:
-            raise ValueError(f"KV cache overflow: {start} + {n} entries > capacity {cache.capacity}")
-        h = self.model.embed_tokens(tokens.unsqueeze(0))
-        cos, sin = rope_cos_sin(positions.unsqueeze(0), self.inv_freq)
+    def forward_packed(self, kv: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, past: torch.Tensor,
+                       counts: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Engine form: a ragged batch over cache slots, as `engines/batching.py` packs it.
+
+        `kv` `[layers, 2, batch, kv_heads, capacity, head_dim]` (the batch's rows of a
+        `KVPool`, written in place); `tokens`, `positions` `[batch, n]` right-padded;
+        `past`, `counts` `[batch]`: cached entries and new tokens per row; `mask`
+        `[batch, n, total]` by cache entry. Returns logits `[batch, n, vocab]`."""
+        total = mask.shape[-1]
+        h = self.model.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
         for i, layer in enumerate(self.model.layers):
             q, k, v = self._project_qkv(layer, h, cos, sin)
-            cache.keys[i, :, start:start + n] = k[0]
-            cache.values[i, :, start:start + n] = v[0]
-            keys = cache.keys[i, :, :start + n].unsqueeze(0)
-            values = cache.values[i, :, :start + n].unsqueeze(0)
-            h = self._finish_layer(layer, h, q, keys, values, mask.unsqueeze(0))
-        cache.length = start + n
-        return self._logits(h)[0]
+            keys, values = kv[i, 0], kv[i, 1]
+            for row, (start, count) in enumerate(zip(past.tolist(), counts.tolist())):
+                keys[row, :, start:start + count] = k[row, :, :count]
+                values[row, :, start:start + count] = v[row, :, :count]
+            h = self._finish_layer(layer, h, q, keys[:, :, :total], values[:, :, :total], mask)
+        return self._logits(h)

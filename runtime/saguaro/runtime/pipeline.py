@@ -6,13 +6,13 @@ runs, then dispatches to the decoding loop of its mode.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from saguaro.runtime.checkpoint import check_pair_compatible
-from saguaro.runtime.decoding import Cancelled, Generation, OnTokens, autoregressive_decode, speculative_decode
+from saguaro.runtime.decoding import Cancelled, Decoder, Generation, OnTokens, Request
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.torch_engine import TorchEngine
 from saguaro.runtime.options import DecodeOptions
@@ -27,6 +27,10 @@ class RequestError(ValueError):
 class Pipeline:
     target: object  # an Engine
     draft: object   # an Engine
+    decoder: Decoder = field(init=False)
+
+    def __post_init__(self):
+        self.decoder = Decoder(self.target, self.draft)
 
     @classmethod
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None,
@@ -86,13 +90,22 @@ class Pipeline:
             raise RequestError(f"{wanted} branches exceed the engines' built maximum {branches} "
                                f"(lower --fanout or --budget)")
 
-    def generate(self, prompt_ids: list[int], options: DecodeOptions, sampling: SamplingParams,
-                 on_tokens: OnTokens | None = None, cancelled: Cancelled = lambda: False) -> Generation:
+    def request(self, prompt_ids: list[int], options: DecodeOptions, sampling: SamplingParams,
+                on_tokens: OnTokens | None = None, cancelled: Cancelled = lambda: False) -> Request:
+        """A checked request with its seed and end tokens fixed (errors name the input)."""
         prompt_ids = [int(i) for i in prompt_ids]
         self.check_request(prompt_ids, options)
-        sampling = sampling.with_seed()
+        return Request(prompt_ids, options, sampling.with_seed(), self.end_tokens(options), on_tokens, cancelled)
+
+    def end_tokens(self, options: DecodeOptions) -> frozenset[int]:
+        """The model's end token unless the request names one; -1: never stop early."""
         eos = self.target.info.eos_token_id if options.eos_token_id is None else options.eos_token_id
-        if options.mode == "autoregressive":
-            return autoregressive_decode(self.target, prompt_ids, options, sampling, eos, on_tokens, cancelled)
-        return speculative_decode(self.target, self.draft, prompt_ids, options, sampling, eos,
-                                  on_tokens, cancelled)
+        return frozenset() if eos is None or eos == -1 else frozenset([eos])
+
+    def generate(self, prompt_ids: list[int], options: DecodeOptions, sampling: SamplingParams,
+                 on_tokens: OnTokens | None = None, cancelled: Cancelled = lambda: False) -> Generation:
+        return self.generate_batch([self.request(prompt_ids, options, sampling, on_tokens, cancelled)])[0]
+
+    def generate_batch(self, requests: list[Request]) -> list[Generation]:
+        """Several requests decoded together, rounds batched across them."""
+        return self.decoder.generate(requests)

@@ -29,7 +29,7 @@ from saguaro.runtime.contracts import EngineInfo, EngineLimits
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = "saguaro-engines"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: one fused model graph per role and KV slots (max_batch)
 ROLES = ("target", "draft")
 PLUGINS = {module.PLUGIN_NAME: {"namespace": module.PLUGIN_NAMESPACE, "version": module.PLUGIN_VERSION}
            for module in (fused_verify, branch_draft)}

@@ -1,24 +1,32 @@
 """The `Engine` protocol over ONNX Runtime graphs built by `scripts/build_engines.py`.
 
-Each graph is one ORT session; its KV cache is a `kv_cache.SlotKVCache` bound through
-IOBinding, so a step copies nothing outside the graph. `SessionSettings` and
-`session_options` say how every session runs (threads, pinning, spinning); the build
-uses the same options when it lets ORT optimise a graph offline.
+A model is one fused graph (`saguaro.compiler.fused_export`) that serves every call:
+prefill, decode, K+1 verification, tree-masked branch steps, and batches of sequences.
+Its KV caches are slots of one `KVPool` bound through IOBinding as both past and present,
+so a step writes its new entries in place and copies nothing. The plugin ops are small
+weightless graphs of their own: `fused_verify` (target) reads the model's logits rows
+and returns only `(accepted, bonus)`; `branch_draft` (draft) plans a round's branches.
+A branch commit moves entries inside the draft's slot (`PooledCache.gather`).
+
+`SessionSettings` and `session_options` say how every session runs (threads, pinning,
+spinning); the build uses the same options when it lets ONNX Runtime check a graph.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import onnxruntime as ort
 import torch
 
 from saguaro.plugins.branch_draft.reference import BranchPlan
-from saguaro.runtime.contracts import EngineInfo, causal_mask
+from saguaro.runtime.contracts import (EngineInfo, OneSequenceForms, Step, VerifyResult, VerifyStep,
+                                       draft_cache_capacity, target_cache_capacity)
+from saguaro.runtime.engines.batching import PackedBatch, pack_steps
 from saguaro.runtime.engines.manifest import engine_info
-from saguaro.runtime.kv_cache import SlotKVCache
-from saguaro.runtime.sampling import SamplingParams
+from saguaro.runtime.kv_cache import KVPool, PooledCache
 
 
 @dataclass(frozen=True)
@@ -45,13 +53,13 @@ def session_options(settings: SessionSettings,
                     level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
                     optimized_path: Path | None = None) -> ort.SessionOptions:
     """Threads, pinning and spinning from the build config; sequential execution (one
-    request's steps are a chain, and the other core belongs to the other model)."""
+    call's ops are a chain, and the other core belongs to the other model)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = settings.threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = level
-    options.log_severity_level = 3  # ORT warns about unused initializers of the exporter's
+    options.log_severity_level = 3
     spin = "1" if settings.spin else "0"
     options.add_session_config_entry("session.intra_op.allow_spinning", spin)
     options.add_session_config_entry("session.inter_op.allow_spinning", spin)
@@ -68,98 +76,78 @@ def open_session(path: Path, settings: SessionSettings) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), session_options(settings), providers=["CPUExecutionProvider"])
 
 
-_NUMPY_TYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_}
+def bind_array(binding: ort.IOBinding, name: str, array: np.ndarray, output: bool = False) -> None:
+    bind = binding.bind_output if output else binding.bind_input
+    bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
 
-def _bind_input(binding, name: str, tensor: torch.Tensor) -> None:
-    binding.bind_input(name, "cpu", 0, _NUMPY_TYPES[tensor.dtype], list(tensor.shape), tensor.data_ptr())
+class OnnxRuntimeEngine(OneSequenceForms):
+    """One model's sessions (`model`, plus `fused_verify` for a target or `branch_draft`
+    for a draft) over a pool of KV slots; see `saguaro.runtime.contracts.Engine`."""
 
-
-def _bind_output(binding, name: str, tensor: torch.Tensor) -> None:
-    binding.bind_output(name, "cpu", 0, _NUMPY_TYPES[tensor.dtype], list(tensor.shape), tensor.data_ptr())
-
-
-def _scalar(value, dtype) -> torch.Tensor:
-    return torch.tensor(value, dtype=dtype)
-
-
-class OnnxRuntimeEngine:
-    """One model's graphs (`forward`, plus `verify` for a target or `branch_draft` and
-    `kv_gather` for a draft), each an ORT session; see `runtime.engine.Engine`."""
-
-    def __init__(self, sessions: dict, info: EngineInfo, tokenizer, shape: dict):
+    def __init__(self, sessions: dict[str, ort.InferenceSession], info: EngineInfo, tokenizer, shape: dict,
+                 slot_capacity: int):
         self.sessions, self.info, self.tokenizer, self.limits = sessions, info, tokenizer, info.limits
-        self.kv_dims = (shape["num_layers"], shape["num_kv_heads"], shape["head_dim"])
-        self.vocab_size = shape["vocab_size"]
-        self._no_draft_probs = torch.zeros(self.limits.max_draft_tokens, self.vocab_size)
+        self.layers, self.vocab_size = shape["num_layers"], shape["vocab_size"]
+        self.pool = KVPool(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
+                           self.limits.max_batch, slot_capacity)
+        self._no_draft_probs = np.zeros((self.limits.max_draft_tokens, self.vocab_size), np.float32)
 
-    def new_cache(self, capacity: int) -> SlotKVCache:
-        if capacity > self.limits.max_cache_entries:
-            raise ValueError(f"cache capacity {capacity} exceeds what the engines were built for: "
-                             f"max_context + (max_branches + 1) * max_draft_tokens + 1 = "
-                             f"{self.limits.max_cache_entries}")
-        gather = self._run_gather if "kv_gather" in self.sessions else None
-        return SlotKVCache(*self.kv_dims, capacity, gather)
+    def new_cache(self, capacity: int) -> PooledCache:
+        return self.pool.allocate(capacity)
 
-    def _bind_step(self, binding, cache: SlotKVCache, tokens, positions, mask) -> tuple[int, list]:
-        """Bind a forward's inputs and its present K/V. Returns the new cache length and
-        the bound input tensors, which must outlive the run (ORT reads their memory)."""
-        past, count = cache.length, len(tokens)
-        if past + count > cache.capacity:
-            raise ValueError(f"KV cache overflow: {past} + {count} entries > capacity {cache.capacity}")
-        if mask is None:
-            mask = causal_mask(past, count)
-        if tuple(mask.shape) != (count, past + count):
-            raise ValueError(f"mask shape {tuple(mask.shape)} is not [n, cache length + n] = {[count, past + count]}")
-        inputs = [t.to(dtype).reshape(1, *t.shape).contiguous() for t, dtype in
-                  ((tokens, torch.int64), (positions, torch.int64), (mask, torch.bool))]
-        for name, tensor in zip(("input_ids", "position_ids", "attention_mask"), inputs):
-            _bind_input(binding, name, tensor)
-        for name, tensor in zip(("past_keys", "past_values"), cache.live()):
-            _bind_input(binding, name, tensor)
-        for name, tensor in zip(("present_keys", "present_values"), cache.spare(past + count)):
-            _bind_output(binding, name, tensor)
-        return past + count, inputs
+    def forward_batch(self, steps: Sequence[Step]) -> list[torch.Tensor]:
+        packed = pack_steps(steps)
+        logits = self._run_model(packed)
+        for step, count in zip(steps, packed.counts):
+            step.cache.length += count
+        return [torch.from_numpy(logits[row, :count]) for row, count in zip(packed.rows, packed.counts)]
 
-    def forward(self, cache: SlotKVCache, tokens: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        session = self.sessions["forward"]
+    def _run_model(self, packed: PackedBatch) -> np.ndarray:
+        session = self.sessions["model"]
         binding = session.io_binding()
-        length, _inputs = self._bind_step(binding, cache, tokens, positions, mask)
-        logits = torch.empty(1, len(tokens), self.vocab_size)
-        _bind_output(binding, "logits", logits)
+        inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
+                  "seqlens_k": packed.seqlens_k, "query_seqlens": packed.query_seqlens,
+                  "total_sequence_length": np.array(packed.total_sequence_length, np.int32),
+                  "attention_mask": packed.attention_mask}
+        for name, array in inputs.items():
+            bind_array(binding, name, array)
+        rows = slice(packed.first_slot, packed.first_slot + packed.batch)
+        for layer in range(self.layers):
+            for index, kind in enumerate(("key", "value")):
+                view = self.pool.buffer[layer, index, rows]  # past and present: one memory
+                bind_array(binding, f"past_{kind}.{layer}", view)
+                bind_array(binding, f"present_{kind}.{layer}", view, output=True)
+        logits = np.empty((packed.batch, packed.input_ids.shape[1], self.vocab_size), np.float32)
+        bind_array(binding, "logits", logits, output=True)
         session.run_with_iobinding(binding)
-        cache.swap(length)
-        return logits[0]
+        return logits
 
-    def verify(self, cache: SlotKVCache, tokens, positions, draft_tokens, draft_probs, uniforms,
-               sampling: SamplingParams) -> tuple[int, int]:
-        """One forward over `[last, d_1..d_K]` and the FusedVerify node: only `(a, t)` leaves."""
-        if "verify" not in self.sessions:
-            raise ValueError(f"{self.info.path}: this is a draft engine; it has no verify graph")
-        k = len(draft_tokens)
-        if k > self.limits.max_draft_tokens:
-            raise ValueError(f"K={k} draft tokens exceeds the engines' max_draft_tokens "
-                             f"{self.limits.max_draft_tokens}; rebuild with a larger --max-draft-tokens")
-        if len(tokens) != k + 1 or len(uniforms) != k + 1:
-            raise ValueError(f"verify takes K+1 = {k + 1} tokens ([last, d_1..d_K]) and uniforms, "
-                             f"got {len(tokens)} and {len(uniforms)}")
-        session = self.sessions["verify"]
-        binding = session.io_binding()
-        length, _inputs = self._bind_step(binding, cache, tokens, positions, None)
-        probs = self._no_draft_probs[:k] if draft_probs is None else draft_probs.float().contiguous()
-        extras = {"draft_tokens": torch.as_tensor(draft_tokens, dtype=torch.int64).contiguous(),
-                  "draft_probs": probs, "uniforms": uniforms.float().contiguous(),
-                  "temperature": _scalar(sampling.temperature, torch.float32),
-                  "top_k": _scalar(sampling.top_k, torch.int64), "top_p": _scalar(sampling.top_p, torch.float32)}
-        for name, tensor in extras.items():
-            _bind_input(binding, name, tensor)
-        outcome = {"accepted": _scalar(0, torch.int64), "bonus": _scalar(0, torch.int64)}
-        for name, tensor in outcome.items():
-            _bind_output(binding, name, tensor)
-        session.run_with_iobinding(binding)
-        cache.swap(length)
-        return int(outcome["accepted"]), int(outcome["bonus"])
+    def verify_batch(self, steps: Sequence[VerifyStep]) -> list[VerifyResult]:
+        """One batched forward over every round's `[last, d_1..d_K]`, then the FusedVerify
+        graph on each round's logits rows: only the outcomes leave the engine."""
+        if "fused_verify" not in self.sessions:
+            raise ValueError(f"{self.info.path}: this is a draft engine; it has no fused_verify graph")
+        for item in steps:
+            k = len(item.draft_tokens)
+            if k > self.limits.max_draft_tokens:
+                raise ValueError(f"K={k} draft tokens exceeds the engines' max_draft_tokens "
+                                 f"{self.limits.max_draft_tokens}; rebuild with a larger --max-draft-tokens")
+            if len(item.step.tokens) != k + 1 or len(item.uniforms) != k + 1:
+                raise ValueError(f"verify takes K+1 = {k + 1} tokens ([last, d_1..d_K]) and uniforms, "
+                                 f"got {len(item.step.tokens)} and {len(item.uniforms)}")
+        rows = self.forward_batch([item.step for item in steps])
+        return [self._fused_verify(logits, item) for logits, item in zip(rows, steps)]
+
+    def _fused_verify(self, logits: torch.Tensor, item: VerifyStep) -> VerifyResult:
+        k, sampling = len(item.draft_tokens), item.sampling
+        probs = self._no_draft_probs[:k] if item.draft_probs is None else item.draft_probs.float().numpy()
+        feeds = {"target_logits": logits.numpy(), "draft_tokens": item.draft_tokens.numpy().astype(np.int64),
+                 "draft_probs": np.ascontiguousarray(probs), "uniforms": item.uniforms.float().numpy(),
+                 "temperature": np.array(sampling.temperature, np.float32),
+                 "top_k": np.array(sampling.top_k, np.int64), "top_p": np.array(sampling.top_p, np.float32)}
+        accepted, bonus = self.sessions["fused_verify"].run(None, feeds)
+        return VerifyResult(int(accepted), int(bonus))
 
     def plan_branches(self, scores, draft_tokens, fanout, context_length: int) -> BranchPlan:
         if "branch_draft" not in self.sessions:
@@ -173,17 +161,12 @@ class OnnxRuntimeEngine:
         depth, token, rank, positions, window_mask = self.sessions["branch_draft"].run(None, feeds)
         return BranchPlan(*(torch.from_numpy(a) for a in (depth, token, rank, positions, window_mask)))
 
-    def _run_gather(self, live, start: int, source_indices: torch.Tensor, spare) -> None:
-        session = self.sessions["kv_gather"]
-        binding = session.io_binding()
-        for name, tensor in zip(("keys", "values"), live):
-            _bind_input(binding, name, tensor)
-        start_tensor = _scalar(start, torch.int64)
-        _bind_input(binding, "start", start_tensor)
-        _bind_input(binding, "source_indices", source_indices)
-        for name, tensor in zip(("gathered_keys", "gathered_values"), spare):
-            _bind_output(binding, name, tensor)
-        session.run_with_iobinding(binding)
+
+def slot_capacity(role: str, manifest: dict) -> int:
+    build = manifest["build"]
+    if role == "draft":
+        return draft_cache_capacity(build["max_context"], build["max_branches"], build["max_draft_tokens"])
+    return target_cache_capacity(build["max_context"], build["max_draft_tokens"])
 
 
 def open_engine(engine_dir: Path, role: str, manifest: dict, tokenizer, threads: int | None = None):
@@ -192,5 +175,5 @@ def open_engine(engine_dir: Path, role: str, manifest: dict, tokenizer, threads:
     settings = SessionSettings.from_manifest(manifest, threads)
     sessions = {kind: open_session(engine_dir / files["engine"], settings)
                 for kind, files in model["graphs"].items()}
-    info = engine_info("onnxruntime", engine_dir, role, manifest)
-    return OnnxRuntimeEngine(sessions, info, tokenizer, model["shape"])
+    return OnnxRuntimeEngine(sessions, engine_info("onnxruntime", engine_dir, role, manifest), tokenizer,
+                             model["shape"], slot_capacity(role, manifest))

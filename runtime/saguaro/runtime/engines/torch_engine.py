@@ -2,40 +2,62 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
+
+import torch
 
 from saguaro.plugins.branch_draft.reference import plan_branches
 from saguaro.plugins.fused_verify.reference import fused_verify
 from saguaro.runtime.checkpoint import load_checkpoint, tokenizer_fingerprint
-from saguaro.runtime.contracts import EngineInfo, causal_mask
-from saguaro.runtime.kv_cache import KVCache
+from saguaro.runtime.contracts import EngineInfo, EngineLimits, OneSequenceForms, Step, VerifyResult, VerifyStep
+from saguaro.runtime.engines.batching import pack_steps
+from saguaro.runtime.kv_cache import KVPool, PooledCache
+
+# What a checkpoint run eagerly is sized for (a compiled engine's come from its build).
+DEFAULT_LIMITS = dict(max_draft_tokens=8, max_branches=32, max_batch=8)
+DEFAULT_MAX_CONTEXT = 4096  # or the model's own, if shorter: it bounds every KV slot (zeroed lazily by the OS)
 
 
-class TorchEngine:
-    """A Hugging Face Llama checkpoint run by `llama.Llama` over a `KVCache`."""
+class TorchEngine(OneSequenceForms):
+    """A Hugging Face Llama checkpoint run by `llama.Llama` over a pool of KV slots."""
 
-    def __init__(self, checkpoint_dir: str | Path):
+    def __init__(self, checkpoint_dir: str | Path, max_context: int | None = None, max_batch: int | None = None):
         checkpoint = load_checkpoint(checkpoint_dir)
         self.model = checkpoint.model
         self.tokenizer = checkpoint.tokenizer
+        shape = checkpoint.shape
+        context = min(max_context or DEFAULT_MAX_CONTEXT, shape.max_position_embeddings)
+        limits = EngineLimits(max_context=context, **{**DEFAULT_LIMITS, "max_batch": max_batch or DEFAULT_LIMITS["max_batch"]})
         self.info = EngineInfo(
-            backend="torch", path=str(checkpoint.path), vocab_size=checkpoint.shape.vocab_size,
-            max_context=checkpoint.shape.max_position_embeddings,
+            backend="torch", path=str(checkpoint.path), vocab_size=shape.vocab_size, max_context=context,
             eos_token_id=checkpoint.eos_token_id, bos_token_id=checkpoint.bos_token_id,
-            tokenizer_fingerprint=tokenizer_fingerprint(checkpoint.tokenizer))
+            tokenizer_fingerprint=tokenizer_fingerprint(checkpoint.tokenizer), limits=limits)
+        self.pool = KVPool(*shape.kv_shape, limits.max_batch, limits.max_cache_entries)
 
-    def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.model.shape, capacity)
+    def new_cache(self, capacity: int) -> PooledCache:
+        return self.pool.allocate(capacity)
 
-    def forward(self, cache, tokens, positions, mask=None):
-        if mask is None:
-            mask = causal_mask(cache.length, len(tokens))
-        return self.model.forward_cached(cache, tokens, positions, mask)
+    def forward_batch(self, steps: Sequence[Step]) -> list[torch.Tensor]:
+        packed = pack_steps(steps)
+        rows = slice(packed.first_slot, packed.first_slot + packed.batch)
+        past = torch.from_numpy(packed.seqlens_k + 1 - packed.query_seqlens)
+        logits = self.model.forward_packed(self.pool.tensor[:, :, rows], torch.from_numpy(packed.input_ids),
+                                           torch.from_numpy(packed.position_ids), past,
+                                           torch.from_numpy(packed.query_seqlens),
+                                           torch.from_numpy(packed.attention_mask))
+        for step, count in zip(steps, packed.counts):
+            step.cache.length += count
+        return [logits[row, :count] for row, count in zip(packed.rows, packed.counts)]
 
-    def verify(self, cache, tokens, positions, draft_tokens, draft_probs, uniforms, sampling):
-        logits = self.forward(cache, tokens, positions)
-        accepted, bonus = fused_verify(logits, draft_tokens, draft_probs, uniforms,
-                                       sampling.temperature, sampling.top_k, sampling.top_p)
-        return int(accepted), int(bonus)
+    def verify_batch(self, steps: Sequence[VerifyStep]) -> list[VerifyResult]:
+        rows = self.forward_batch([item.step for item in steps])
+        outcomes = []
+        for logits, item in zip(rows, steps):
+            s = item.sampling
+            accepted, bonus = fused_verify(logits, item.draft_tokens, item.draft_probs, item.uniforms,
+                                           s.temperature, s.top_k, s.top_p)
+            outcomes.append(VerifyResult(int(accepted), int(bonus)))
+        return outcomes
 
     def plan_branches(self, scores, draft_tokens, fanout, context_length):
         return plan_branches(scores, draft_tokens, fanout, context_length)

@@ -1,0 +1,231 @@
+"""The ONNX Runtime model graph: a Llama written node by node with ONNX Runtime's fused
+CPU operators (no tracing), the way its own LLM exporters build it, keeping what SSD needs.
+
+    Gather(embed) -> per layer:
+        [Skip]SimplifiedLayerNormalization -> packed QKV projection
+        -> GroupQueryAttention (RoPE inside, a KV buffer updated in place, per-token
+           positions, an attention mask as a bias, ragged batches)
+        -> o projection -> SkipSimplifiedLayerNormalization (its 4th output: the residual)
+        -> gate, up -> QuickGelu(alpha=1) (= SiLU) * up -> down
+    -> SkipSimplifiedLayerNormalization -> lm_head -> logits
+
+One graph serves every call of a model: prefill, decode, a K+1 verify, a tree-masked
+branch step, and a batch of sequences each with its own length, positions, mask and KV
+slot. What it needs from SSD and how it is given:
+  - tree steps: `position_ids` are arbitrary (a branch token sits at context + depth,
+    whatever its cache index), and `attention_mask` (bool, by cache entry) becomes a
+    -inf bias on top of GQA's causal rule; a tree mask is sub-causal, so that is exact;
+  - KV commit / rollback: the cache is one preallocated buffer per layer that past and
+    present both bind; GQA writes only the new entries, so rolling back is lowering a
+    length, and a branch commit moves entries inside the buffer;
+  - ragged batches: `query_seqlens` (new tokens per sequence, 0 for an idle row) and
+    `seqlens_k` (entries after the step, minus one).
+The plugin ops stay separate weightless graphs that read this graph's logits (the
+builder adds them), so the weights are held once.
+
+I/O (B batch, S new tokens per row, C cache capacity, T = total_sequence_length):
+  input_ids, position_ids [B, S] int64; seqlens_k [B] int32; total_sequence_length []
+  int32; query_seqlens [B] int32; attention_mask [B, S, T] bool;
+  past_key.{i}, past_value.{i} [B, kv_heads, C, head_dim] float32
+  -> logits [B, S, vocab] float32; present_key.{i}, present_value.{i} (same memory as past).
+
+Precisions: fp32 (MatMul), int8 and int4 (ONNX Runtime's blockwise MatMulNBits, block 32,
+accuracy level 4: int8 activations per block, the only setting that stays fast for S > 1).
+The CPU provider has no bf16 kernels for MatMul, MatMulNBits or GroupQueryAttention.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from saguaro.runtime.llama import LlamaShape, rope_inverse_frequencies
+
+MS_DOMAIN = "com.microsoft"
+OPSET = 23  # RMSNormalization
+QUANTIZED_BITS = {"int8": 8, "int4": 4}
+BLOCK_SIZE = 32
+ACCURACY_LEVEL = 4  # int8 activations per block (VNNI); levels 0-1 are 2-3x slower for S > 1
+MODEL_INPUTS = ("input_ids", "position_ids", "seqlens_k", "total_sequence_length", "query_seqlens",
+                "attention_mask")
+
+
+class GraphWriter:
+    """Nodes and initializers of one graph, with unique node names."""
+
+    def __init__(self):
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+
+    def constant(self, name: str, array) -> str:
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def node(self, op: str, inputs: list[str], outputs: list[str], domain: str = "", **attributes) -> list[str]:
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=f"/{op}_{len(self.nodes)}",
+                                           domain=domain, **attributes))
+        return outputs
+
+    def linear(self, x: str, weight: torch.Tensor, name: str) -> str:
+        """`x @ weight.T` for a Hugging Face `[out, in]` weight (MatMulNBits replaces it later)."""
+        return self.node("MatMul", [x, self.constant(f"{name}.weight", as_array(weight).T)], [f"{name}/out"])[0]
+
+
+def as_array(tensor: torch.Tensor) -> np.ndarray:
+    return np.ascontiguousarray(tensor.detach().float().cpu().numpy(), dtype=np.float32)
+
+
+def rope_tables(shape: LlamaShape, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos / sin `[positions, head_dim / 2]`, from the torch reference's own frequencies."""
+    freqs = torch.arange(positions, dtype=torch.float32)[:, None] * rope_inverse_frequencies(shape)[None]
+    return freqs.cos().numpy(), freqs.sin().numpy()
+
+
+def graph_inputs(shape: LlamaShape) -> list[onnx.ValueInfoProto]:
+    int64, int32 = TensorProto.INT64, TensorProto.INT32
+    return [helper.make_tensor_value_info("input_ids", int64, ["batch", "seq"]),
+            helper.make_tensor_value_info("position_ids", int64, ["batch", "seq"]),
+            helper.make_tensor_value_info("seqlens_k", int32, ["batch"]),
+            helper.make_tensor_value_info("total_sequence_length", int32, []),
+            helper.make_tensor_value_info("query_seqlens", int32, ["batch"]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.BOOL, ["batch", "seq", "total"])]
+
+
+def kv_value(name: str, shape: LlamaShape) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT,
+                                         ["batch", shape.num_kv_heads, "capacity", shape.head_dim])
+
+
+def attention_bias(g: GraphWriter) -> str:
+    """The bool mask as an additive bias `[B, 1, S, T]`, computed once for every layer."""
+    g.constant("/bias/zero", np.array(0.0, np.float32))
+    g.constant("/bias/minus_inf", np.array(-np.inf, np.float32))
+    g.constant("/bias/head_axis", np.array([1], np.int64))
+    bias = g.node("Where", ["attention_mask", "/bias/zero", "/bias/minus_inf"], ["/bias/rows"])[0]
+    return g.node("Unsqueeze", [bias, "/bias/head_axis"], ["/bias/attention_bias"])[0]
+
+
+def attention(g: GraphWriter, shape: LlamaShape, state: dict, layer: int, x: str, bias: str) -> str:
+    prefix = f"model.layers.{layer}.self_attn"
+    qkv_weight = torch.cat([state[f"{prefix}.{p}_proj.weight"] for p in "qkv"])
+    qkv = g.linear(x, qkv_weight, f"{prefix}.qkv_proj")
+    inputs = [qkv, "", "", f"past_key.{layer}", f"past_value.{layer}", "seqlens_k", "total_sequence_length",
+              "cos_cache", "sin_cache", "position_ids", bias,
+              "", "", "", "", "", "query_seqlens"]  # head_sink, k/v scales, q/k norms: unused
+    out = g.node("GroupQueryAttention", inputs, [f"/l{layer}/attention", f"present_key.{layer}",
+                                                 f"present_value.{layer}"],
+                 domain=MS_DOMAIN, num_heads=shape.num_heads, kv_num_heads=shape.num_kv_heads, do_rotary=1,
+                 causal=1, scale=float(shape.head_dim) ** -0.5)[0]
+    return g.linear(out, state[f"{prefix}.o_proj.weight"], f"{prefix}.o_proj")
+
+
+def mlp(g: GraphWriter, state: dict, layer: int, x: str) -> str:
+    prefix = f"model.layers.{layer}.mlp"
+    gate = g.linear(x, state[f"{prefix}.gate_proj.weight"], f"{prefix}.gate_proj")
+    up = g.linear(x, state[f"{prefix}.up_proj.weight"], f"{prefix}.up_proj")
+    silu = g.node("QuickGelu", [gate], [f"/l{layer}/silu"], domain=MS_DOMAIN, alpha=1.0)[0]
+    gated = g.node("Mul", [silu, up], [f"/l{layer}/gated"])[0]
+    return g.linear(gated, state[f"{prefix}.down_proj.weight"], f"{prefix}.down_proj")
+
+
+def skip_norm(g: GraphWriter, hidden: str, residual: str | None, weight: str, eps: float, name: str):
+    """RMSNorm of `hidden + residual`; returns (normed, the sum for the next residual)."""
+    if residual is None:
+        normed = g.node("RMSNormalization", [hidden, weight], [f"{name}/normed"], axis=-1, epsilon=eps)[0]
+        return normed, hidden
+    normed, _, _, total = g.node("SkipSimplifiedLayerNormalization", [hidden, residual, weight],
+                                 [f"{name}/normed", "", "", f"{name}/sum"], domain=MS_DOMAIN, epsilon=eps)
+    return normed, total
+
+
+def lm_head(g: GraphWriter, shape: LlamaShape, state: dict, x: str, embed: str, precision: str) -> str:
+    """Tied embeddings at fp32 reuse the table through Gemm(transB) instead of a second copy;
+    quantised precisions quantise their own (small) copy."""
+    if "lm_head.weight" in state and not shape.tie_word_embeddings:
+        return g.linear(x, state["lm_head.weight"], "lm_head")
+    if precision in QUANTIZED_BITS:
+        return g.linear(x, state["model.embed_tokens.weight"], "lm_head")
+    g.constant("/lm_head/rows", np.array([-1, shape.hidden_size], np.int64))
+    rows = g.node("Reshape", [x, "/lm_head/rows"], ["/lm_head/rows_in"])[0]
+    flat = g.node("Gemm", [rows, embed], ["/lm_head/flat"], transB=1)[0]
+    g.constant("/lm_head/vocab", np.array([shape.vocab_size], np.int64))
+    g.node("Shape", [x], ["/lm_head/in_shape"])
+    g.node("Slice", ["/lm_head/in_shape", g.constant("/lm_head/zero", np.array([0], np.int64)),
+                     g.constant("/lm_head/two", np.array([2], np.int64))], ["/lm_head/batch_seq"])
+    g.node("Concat", ["/lm_head/batch_seq", "/lm_head/vocab"], ["/lm_head/out_shape"], axis=0)
+    return g.node("Reshape", [flat, "/lm_head/out_shape"], ["lm_head/out"])[0]
+
+
+def model_graph(shape: LlamaShape, state: dict, precision: str, max_positions: int) -> onnx.ModelProto:
+    """The fp32 graph (see the module docstring); `quantize` turns it into int8 / int4."""
+    g = GraphWriter()
+    cos, sin = rope_tables(shape, max_positions)
+    g.constant("cos_cache", cos)
+    g.constant("sin_cache", sin)
+    bias = attention_bias(g)
+    embed = g.constant("model.embed_tokens.weight", as_array(state["model.embed_tokens.weight"]))
+    hidden = g.node("Gather", [embed, "input_ids"], ["/embeddings"])[0]
+    residual = None
+    eps = shape.rms_norm_eps
+    for layer in range(shape.num_layers):
+        prefix = f"model.layers.{layer}"
+        norm = g.constant(f"{prefix}.input_layernorm.weight", as_array(state[f"{prefix}.input_layernorm.weight"]))
+        x, hidden = skip_norm(g, hidden, residual, norm, eps, f"/l{layer}/input_norm")
+        attended = attention(g, shape, state, layer, x, bias)
+        norm = g.constant(f"{prefix}.post_attention_layernorm.weight",
+                          as_array(state[f"{prefix}.post_attention_layernorm.weight"]))
+        x, hidden = skip_norm(g, hidden, attended, norm, eps, f"/l{layer}/post_norm")
+        residual = mlp(g, state, layer, x)
+    norm = g.constant("model.norm.weight", as_array(state["model.norm.weight"]))
+    x, _ = skip_norm(g, hidden, residual, norm, eps, "/final_norm")
+    g.node("Identity", [lm_head(g, shape, state, x, embed, precision)], ["logits"])
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", shape.vocab_size])]
+    inputs = graph_inputs(shape)
+    for layer in range(shape.num_layers):
+        inputs += [kv_value(f"past_key.{layer}", shape), kv_value(f"past_value.{layer}", shape)]
+        outputs += [kv_value(f"present_key.{layer}", shape), kv_value(f"present_value.{layer}", shape)]
+    graph = helper.make_graph(g.nodes, "model", inputs, outputs, g.initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)])
+
+
+@contextmanager
+def quiet_root_logger():
+    """The quantiser logs advice on the root logger."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+def quantize(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
+    """Every MatMul with a constant weight as MatMulNBits (fp32 returns the graph unchanged)."""
+    if precision == "fp32":
+        return model
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    with quiet_root_logger():
+        quantizer = MatMulNBitsQuantizer(model, bits=QUANTIZED_BITS[precision], block_size=BLOCK_SIZE,
+                                         is_symmetric=False, accuracy_level=ACCURACY_LEVEL)
+        quantizer.process()
+    return quantizer.model.model
+
+
+def export_model(shape: LlamaShape, state: dict, path: Path, precision: str, max_positions: int) -> Path:
+    """Write the model graph at `precision` to `path`, its weights in one file beside it."""
+    model = quantize(model_graph(shape, state, precision, max_positions), precision)
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    weights = path.with_name(path.stem + ".weights")
+    weights.unlink(missing_ok=True)  # onnx appends to an existing file
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=weights.name, size_threshold=1024)
+    return path
