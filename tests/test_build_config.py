@@ -101,7 +101,7 @@ def pair(tmp_path_factory):
     (dict(draft="other_vocab"), CheckpointError, "draft vocab_size 20 differs from target vocab_size 16"),
     (dict(target="not_llama"), CheckpointError, "target checkpoint .* model_type is 'gpt2'"),
     (dict(draft="missing"), CheckpointError, "does not exist"),
-    (dict(backend="tensorrt"), ConfigError, "pip install --extra-index-url https://pypi.nvidia.com tensorrt"),
+    (dict(backend="tensorrt"), ConfigError, "pip install --extra-index-url https://pypi.nvidia.com 'tensorrt>=10.8,<12'"),
 ])
 def test_builder_rejects_bad_input_before_any_work(pair, tmp_path, change, error, message):
     if change.get("backend") == "tensorrt" and _has_tensorrt():

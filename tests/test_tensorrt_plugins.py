@@ -4,14 +4,15 @@ What needs TensorRT itself (registering with `tensorrt.plugin`, building and run
 engine on a GPU) is skipped where `tensorrt` is not installed: it comes from NVIDIA's
 index only. The ONNX-side preparation runs everywhere.
 """
-import types
 from unittest import mock
 
 import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from saguaro.compiler import tensorrt_builder
+from fake_tensorrt import fake_tensorrt
+from saguaro.compiler import builder, tensorrt_builder
+from saguaro.compiler.config import BuildConfig, ConfigError
 from saguaro.compiler.tensorrt_builder import TensorRTBuildOptions, profile_shapes, strip_plugin_functions
 from saguaro.plugins.branch_draft import PLUGIN_VERSION as BRANCH_VERSION
 from saguaro.plugins.branch_draft import onnx_function as branch_onnx
@@ -20,7 +21,7 @@ from saguaro.plugins.fused_verify import PLUGIN_VERSION as VERIFY_VERSION
 from saguaro.plugins.fused_verify import onnx_function as verify_onnx
 from saguaro.plugins.fused_verify import tensorrt_plugin as verify_trt
 from saguaro.plugins.tensorrt_plugins import register_plugins
-from saguaro.plugins.tensorrt_registry import check_plugin_version
+from saguaro.plugins.tensorrt_registry import check_plugin_version, check_tensorrt_version
 
 try:
     import tensorrt  # noqa: F401
@@ -119,41 +120,60 @@ def test_missing_tensorrt_says_how_to_install_it(tmp_path):
         tensorrt_builder.build_engine(tmp_path / "model.onnx", tmp_path / "model.plan", {})
 
 
-def fake_tensorrt() -> types.SimpleNamespace:
-    """Just enough of the `tensorrt` module for `build_engine` to drive (a call-sequence check)."""
-    trt = mock.MagicMock(name="tensorrt")
-    trt.__version__ = "10.8.0"
-    trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED = 1
-    trt.Builder.return_value.build_serialized_network.return_value = b"plan-bytes"
-    trt.OnnxParser.return_value.parse.return_value = True
-    return trt
-
-
-def test_build_engine_drives_the_builder_api(tmp_path):
+@pytest.mark.parametrize("version, flags", [("10.8.0.43", 1 << 1), ("11.0.0", 0)])
+def test_build_engine_drives_the_builder_api(tmp_path, version, flags):
+    """On 10.x the network is created STRONGLY_TYPED (by name: the flag is 1 there); on 11
+    every network is strongly typed and the deprecated flag (0 there) is not passed."""
     onnx_path = tmp_path / "branch.onnx"
     onnx.save(branch_onnx.standalone_model(), onnx_path)
-    trt = fake_tensorrt()
+    trt = fake_tensorrt(version)
     options = TensorRTBuildOptions(dim_ranges={"rows": (1, 5, 9), "vocab": (64, 64, 64), "drafts": (0, 4, 8)})
     with mock.patch.object(tensorrt_builder, "import_tensorrt", return_value=trt), \
             mock.patch.object(tensorrt_builder, "register_plugins") as register:
         tensorrt_builder.build_engine(onnx_path, tmp_path / "out" / "branch.plan", options)
     register.assert_called_once()
-    trt.Builder.return_value.create_network.assert_called_once_with(1 << 1)
+    trt.Builder.return_value.create_network.assert_called_once_with(flags)
     parsed_bytes, parsed_path = trt.OnnxParser.return_value.parse.call_args.args
     parsed = onnx.load_from_string(parsed_bytes)
     assert len(parsed.functions) == 0 and parsed_path == str(onnx_path)
     profile = trt.Builder.return_value.create_optimization_profile.return_value
     profile.set_shape.assert_any_call("scores", (1, 64), (5, 64), (9, 64))
+    trt.Builder.return_value.create_builder_config.return_value.set_flag.assert_not_called()
     assert (tmp_path / "out" / "branch.plan").read_bytes() == b"plan-bytes"
 
 
 def test_weak_typing_flags_only_where_tensorrt_still_has_them():
-    trt, config = fake_tensorrt(), mock.MagicMock()
-    tensorrt_builder.apply_precision(trt, config, TensorRTBuildOptions(precision="fp16", strongly_typed=False))
+    weak_fp16 = TensorRTBuildOptions(precision="fp16", strongly_typed=False)
+    trt, config = fake_tensorrt("10.9.0"), mock.MagicMock()
+    tensorrt_builder.apply_precision(trt, config, weak_fp16)
     config.set_flag.assert_called_once_with(trt.BuilderFlag.FP16)
-    trt.BuilderFlag = types.SimpleNamespace()  # TensorRT 11: weak typing removed
-    with pytest.raises(RuntimeError, match="strongly_typed"):
-        tensorrt_builder.apply_precision(trt, config, TensorRTBuildOptions(precision="fp16", strongly_typed=False))
+    assert tensorrt_builder.network_flags(trt, weak_fp16) == 0
+    trt, config = fake_tensorrt("11.1.0"), mock.MagicMock()  # weak typing removed
+    with pytest.raises(RuntimeError, match="no weak typing"):
+        tensorrt_builder.apply_precision(trt, config, weak_fp16)
+    config.set_flag.assert_not_called()
+    tensorrt_builder.check_precision_support(trt, TensorRTBuildOptions(precision="fp32"))
+
+
+def test_fp16_on_tensorrt_11_is_refused_before_any_export(tiny_pair):
+    config = BuildConfig(name="fp16", target=tiny_pair / "target", draft=tiny_pair / "draft",
+                         backend="tensorrt", precision="fp16")
+    with mock.patch.object(builder, "import_tensorrt", return_value=fake_tensorrt("11.0.0")):
+        with pytest.raises(ConfigError, match="precision=fp16.*no weak typing"):
+            builder.check_backend(config)
+    with mock.patch.object(builder, "import_tensorrt", return_value=fake_tensorrt("10.16.0")):
+        builder.check_backend(config)
+
+
+@pytest.mark.parametrize("version", ["10.8.0.43", "10.16.1", "11.0.0", "11.4.2.1"])
+def test_supported_tensorrt_versions(version):
+    check_tensorrt_version(version)
+
+
+@pytest.mark.parametrize("version", ["10.7.0", "9.3.0", "12.0.0"])
+def test_unsupported_tensorrt_versions_are_refused_with_the_range(version):
+    with pytest.raises(ImportError, match=r">= 10.8, < 12"):
+        check_tensorrt_version(version)
 
 
 # ---- with TensorRT (GPU machines) ----

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from saguaro.compiler import export
 from saguaro.compiler.config import BuildConfig, ConfigError, config_to_dict
 from saguaro.compiler.onnxruntime_builder import quantize, save_optimized
-from saguaro.compiler.tensorrt_builder import TensorRTBuildOptions, build_engine
+from saguaro.compiler.tensorrt_builder import TensorRTBuildOptions, build_engine, check_precision_support
 from saguaro.plugins.tensorrt_registry import import_tensorrt
 from saguaro.runtime.engines.manifest import MANIFEST_FILE, sha256_file, write_manifest
 from saguaro.runtime.checkpoint import (CheckpointError, check_pair_compatible, llama_shape, load_checkpoint,
@@ -80,9 +80,14 @@ def check_backend(config: BuildConfig) -> None:
     """Import what the backend build needs now, not after minutes of exporting."""
     if config.backend == "tensorrt":
         try:
-            import_tensorrt()
+            trt = import_tensorrt()
         except ImportError as error:
             raise ConfigError(f"backend=tensorrt: {error}") from error
+        try:
+            check_precision_support(trt, TensorRTBuildOptions(precision=config.precision,
+                                                              strongly_typed=tensorrt_strongly_typed(config)))
+        except RuntimeError as error:
+            raise ConfigError(f"backend=tensorrt, precision={config.precision}: {error}") from error
     elif config.precision == "int4":
         try:
             from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer  # noqa: F401
@@ -124,21 +129,30 @@ def build_backend(config: BuildConfig, path: Path, shape) -> Path:
     """The file the runtime loads for one graph: ORT's optimised model or a TensorRT plan."""
     if config.backend == "onnxruntime":
         return save_optimized(path, config.session)
-    return build_engine(path, path.with_suffix(".plan"), tensorrt_options(config, shape.vocab_size))
+    return build_engine(path, path.with_suffix(".plan"), tensorrt_options(config, shape.vocab_size, path.stem))
 
 
-def tensorrt_options(config: BuildConfig, vocab_size: int):
-    """One optimisation profile over the graphs' named dimensions. Opt shapes are a decode
-    step at half the context, consistent across inputs (total = past + n)."""
+def tensorrt_strongly_typed(config: BuildConfig) -> bool:
+    """fp16 asks the builder for lower-precision kernels of the fp32 graph (weak typing)."""
+    return config.precision == "fp32"
 
+
+def tensorrt_options(config: BuildConfig, vocab_size: int, graph: str) -> TensorRTBuildOptions:
+    """The optimisation profile of one graph over its named dimensions.
+
+    Each corner (min, opt, max) is a shape set the graph can run, with total = past + n
+    (the tests run every graph under ONNX Runtime at all three): the range of every
+    input covers any call the runtime makes (past + n never exceeds the cache, which the
+    box past <= cache, n <= longest query contains), and opt is a decode step at half the
+    context. A verify feeds its K+1 tokens, so its query length follows K."""
     cache, k, typical = config.max_cache_entries, config.max_draft_tokens, config.max_context // 2
     longest_query = max(config.max_context, k + 1, config.max_branches)
-    dims = {"batch": (1, 1, config.max_batch), "n": (1, 1, longest_query),
-            "past": (0, typical, cache), "total": (1, typical + 1, cache),
+    query = (1, k + 1, k + 1) if graph == "verify" else (1, 1, longest_query)
+    dims = {"batch": (1, 1, config.max_batch), "n": query, "past": (0, typical, cache),
+            "total": tuple(p + n for p, n in zip((0, typical, cache), query)),
             "k": (0, k, k), "k_plus_1": (1, k + 1, k + 1), "vocab": (vocab_size,) * 3}
-    # fp16 asks the builder for lower-precision kernels of the fp32 graph (weak typing)
     return TensorRTBuildOptions(dim_ranges=dims, precision=config.precision,
-                                strongly_typed=config.precision == "fp32")
+                                strongly_typed=tensorrt_strongly_typed(config))
 
 
 def copy_tokenizer(source: Path, folder: Path) -> list[str]:
