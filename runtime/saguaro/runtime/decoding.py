@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from saguaro.plugins.probs import logits_to_probs, sample_from
-from saguaro.runtime.budget import bonus_rank
 from saguaro.runtime.contracts import draft_cache_capacity
 from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.rounds import DraftRounds
 from saguaro.runtime.sampling import BONUS_STREAM, SamplingParams, keyed_uniforms
 from saguaro.runtime.speculator import Speculator
-from saguaro.runtime.stats import GenerationStats
+from saguaro.runtime.stats import GenerationStats, timed
 from saguaro.runtime.verifier import Verifier
 
 OnTokens = Callable[[list[int]], None]
@@ -35,22 +34,6 @@ class Generation:
     output_ids: list[int]
     finish_reason: str  # "eos", "length" (max_tokens), "context" (cache full), "cancelled"
     stats: GenerationStats
-
-
-@dataclass
-class Elapsed:
-    seconds: float = 0.0
-
-
-@contextmanager
-def timed(stats: GenerationStats, field: str):
-    """Time a block, add it to `stats.<field>`, and hand the block's own time back."""
-    elapsed, started = Elapsed(), time.perf_counter()
-    try:
-        yield elapsed
-    finally:
-        elapsed.seconds = time.perf_counter() - started
-        setattr(stats, field, getattr(stats, field) + elapsed.seconds)
 
 
 class Output:
@@ -92,41 +75,20 @@ def speculative_decode(target, draft, prompt_ids, options: DecodeOptions, sampli
     capacity = draft_cache_capacity(target.info.max_context, branches, k)
     speculator = Speculator(draft, k, sampling, options.saguaro(sampling), capacity)
     out = Output(prompt_ids, options, eos_token_id, target.info.max_context, on_tokens)
-
-    def prespeculate(ids, proposal):
-        """Runs in the worker, so even choosing the fan-out stays off the critical path."""
-        with timed(stats, "prespeculate_s") as elapsed:
-            speculation = speculator.prespeculate(ids, proposal, policy.fanout())
-        speculation.seconds = elapsed.seconds
-        return speculation
-
     with ThreadPoolExecutor(1, thread_name_prefix="draft") as worker:
-        with timed(stats, "draft_s"):
-            proposal = worker.submit(speculator.draft, tuple(out.ids)).result()
+        rounds = DraftRounds(speculator, policy, stats, worker, options.prespeculating)
+        proposal = rounds.draft(out.ids)
         while out.finish_reason is None and not cancelled():
             ids = tuple(out.ids)
-            pending = worker.submit(prespeculate, ids, proposal) if options.prespeculating else None
+            rounds.prespeculate(ids, proposal)
             with timed(stats, "verify_s") as verifying:
                 outcome = verifier.verify(ids, proposal, min(k, out.room - 1))
-            with timed(stats, "wait_s"):
-                speculation = pending.result() if pending else None
+            rounds.collect()
             stats.record_round(outcome.accepted)
             out.commit(proposal.tokens[:outcome.accepted].tolist() + [outcome.bonus])
             if out.finish_reason is not None:
                 break
-            hit = speculation.lookup(outcome.accepted, outcome.bonus) if speculation else None
-            if speculation:
-                stats.branches_drafted += len(speculation.drafts)
-                policy.observe(outcome.accepted, bonus_rank(speculation.scores, proposal.tokens,
-                                                            outcome.accepted, outcome.bonus))
-                policy.observe_timing(verifying.seconds, speculation.seconds)
-            if hit is not None:
-                stats.cache_hits += 1
-                proposal = worker.submit(speculator.adopt, tuple(out.ids), speculation, hit).result()
-            else:
-                stats.cache_misses += speculation is not None
-                with timed(stats, "draft_s"):
-                    proposal = worker.submit(speculator.draft, tuple(out.ids)).result()
+            proposal = rounds.next_draft(out.ids, proposal, outcome, verifying.seconds)
     return finish(out, stats, started)
 
 
