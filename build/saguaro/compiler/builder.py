@@ -39,6 +39,15 @@ GRAPHS = {"target": ("forward", "verify"), "draft": ("forward", "branch_draft", 
 TENSORRT_SKIPS = ("kv_gather",)
 
 
+def graphs_built(config: BuildConfig, role: str) -> tuple[str, ...]:
+    """The graphs a build makes for `role`: none for a target that TensorRT-LLM runs from
+    its checkpoint, no GatherKV for TensorRT."""
+    if role == "target" and config.backend == "tensorrt_llm":
+        return ()
+    backend = config.draft_backend if role == "draft" else config.backend
+    return tuple(stem for stem in GRAPHS[role] if not (backend == "tensorrt" and stem in TENSORRT_SKIPS))
+
+
 @dataclass
 class Source:
     """One checkpoint as inspected before the build: everything but its weights."""
@@ -77,17 +86,18 @@ def check_sources(config: BuildConfig, target: Source, draft: Source) -> None:
 
 
 def check_backend(config: BuildConfig) -> None:
-    """Import what the backend build needs now, not after minutes of exporting."""
-    if config.backend == "tensorrt":
+    """Import what the backend build needs now, not after minutes of exporting. (A
+    tensorrt_llm target needs TensorRT-LLM only where it is served, not to build.)"""
+    if config.draft_backend == "tensorrt":
         try:
             trt = import_tensorrt()
         except ImportError as error:
-            raise ConfigError(f"backend=tensorrt: {error}") from error
+            raise ConfigError(f"backend={config.backend}: {error}") from error
         try:
             check_precision_support(trt, TensorRTBuildOptions(precision=config.precision,
                                                               strongly_typed=tensorrt_strongly_typed(config)))
         except RuntimeError as error:
-            raise ConfigError(f"backend=tensorrt, precision={config.precision}: {error}") from error
+            raise ConfigError(f"backend={config.backend}, precision={config.precision}: {error}") from error
     elif config.precision == "int4":
         try:
             from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer  # noqa: F401
@@ -105,9 +115,12 @@ def check_output(out: Path) -> None:
 
 def export_model(config: BuildConfig, source: Source, folder: Path, work: Path) -> dict[str, Path]:
     """The role's ONNX graphs (plugin nodes included) in `folder`; returns stem -> path."""
+    built = graphs_built(config, source.role)
+    if not built:
+        return {}
     model = load_checkpoint(source.path).model
     forward = export.export_forward(model, work / f"{source.role}_forward.onnx", config.opset)
-    if config.backend == "onnxruntime":
+    if config.draft_backend == "onnxruntime":  # the draft's backend is the target's but for tensorrt_llm
         forward = quantize(forward, config.precision)
     graphs = {"forward": forward}
     if source.role == "target":
@@ -118,7 +131,7 @@ def export_model(config: BuildConfig, source: Source, folder: Path, work: Path) 
         small = {"branch_draft": export.branch_draft_model(config.opset, config.max_branches),
                  "kv_gather": export.kv_gather_model(config.opset, layers, heads, dim)}
         for stem, graph in small.items():
-            if config.backend == "tensorrt" and stem in TENSORRT_SKIPS:
+            if stem not in built:
                 continue
             paths[stem] = folder / f"{stem}.onnx"
             onnx.save_model(graph, str(paths[stem]))
@@ -126,8 +139,9 @@ def export_model(config: BuildConfig, source: Source, folder: Path, work: Path) 
 
 
 def build_backend(config: BuildConfig, path: Path, shape) -> Path:
-    """The file the runtime loads for one graph: ORT's optimised model or a TensorRT plan."""
-    if config.backend == "onnxruntime":
+    """The file the runtime loads for one graph: ORT's optimised model or a TensorRT plan
+    (only the draft's graphs are built with a tensorrt_llm target: the draft backend)."""
+    if config.draft_backend == "onnxruntime":
         return save_optimized(path, config.session)
     return build_engine(path, path.with_suffix(".plan"), tensorrt_options(config, shape.vocab_size, path.stem))
 
@@ -182,7 +196,7 @@ def versions(config: BuildConfig) -> dict[str, str]:
     found = {"python": sys.version.split()[0], "torch": torch.__version__, "onnx": onnx.__version__,
              "onnxruntime": onnxruntime.__version__, "transformers": transformers.__version__,
              "opset": str(config.opset), "exporter": "torch.onnx.export (TorchScript)"}
-    if config.backend == "tensorrt":
+    if config.draft_backend == "tensorrt":
         found["tensorrt"] = import_tensorrt().__version__
     return found
 
@@ -234,8 +248,7 @@ def build_engines(config: BuildConfig, out: Path, show_progress: bool = True) ->
     shutil.rmtree(staging, ignore_errors=True)
     (staging / "work").mkdir(parents=True)
     record = BuildRecord()
-    skipped = len(TENSORRT_SKIPS) if config.backend == "tensorrt" else 0
-    steps = sum(1 + len(GRAPHS[s.role]) for s in sources) - skipped + 2
+    steps = sum(1 + len(graphs_built(config, s.role)) for s in sources) + 2
     try:
         with tqdm(total=steps, desc="build", disable=not show_progress, file=sys.stderr) as bar:
             for source in sources:

@@ -8,13 +8,18 @@ runs the branch-keyed drafting op. Caches truncate (roll back), gather (commit a
 and fork. Implementations: `engines/torch_engine.py` (eager reference),
 `engines/onnxruntime_engine.py` and `engines/tensorrt_engine.py` (compiled engines).
 
+A `RequestTarget` is the other kind of target: one that runs whole generations itself
+and asks a drafter for each round's draft (TensorRT-LLM's executor,
+`engines/tensorrt_llm_target.py`), so that its acceptance happens inside it; the pipeline
+hands it requests instead of driving `verify`.
+
 The loops exchange small result records: a `Draft` (K proposed tokens), a `VerifyResult`
 (the round's outcome) and a `SpeculationCache` (pre-speculated drafts keyed by outcome).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -93,6 +98,23 @@ class Engine(Protocol):
 
     def plan_branches(self, scores: torch.Tensor, draft_tokens: torch.Tensor,
                       fanout: torch.Tensor, context_length: int) -> BranchPlan: ...
+
+
+@runtime_checkable
+class RequestTarget(Protocol):
+    """A target that decodes whole requests, drafting with `draft` (an `Engine`) through the
+    same speculator, pre-speculation and budget as the loops; returns a
+    `decoding.Generation`. Its decoding knobs are fixed once it starts."""
+
+    info: EngineInfo
+    tokenizer: object
+
+    def start(self, options, draft) -> None: ...
+
+    def check_options(self, options) -> None: ...
+
+    def generate(self, draft, prompt_ids: list[int], options, sampling: SamplingParams, eos_token_id=None,
+                 on_tokens=None, cancelled=None): ...
 
 
 def causal_mask(past: int, count: int) -> torch.Tensor:

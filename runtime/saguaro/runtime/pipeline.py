@@ -2,7 +2,8 @@
 
 `Pipeline.load` opens either two Hugging Face checkpoints (torch engines) or a built
 engine directory; `Pipeline.generate` validates a request completely before any model
-runs, then dispatches to the decoding loop of its mode.
+runs, then dispatches to the decoding loop of its mode, or hands it to a target that
+decodes requests itself (`contracts.RequestTarget`: TensorRT-LLM).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from saguaro.runtime.checkpoint import check_pair_compatible
+from saguaro.runtime.contracts import RequestTarget
 from saguaro.runtime.decoding import Cancelled, Generation, OnTokens, autoregressive_decode, speculative_decode
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.torch_engine import TorchEngine
@@ -30,11 +32,14 @@ class Pipeline:
 
     @classmethod
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None,
-             engines: str | Path | None = None, threads: int | None = 1) -> "Pipeline":
+             engines: str | Path | None = None, threads: int | None = 1,
+             options: DecodeOptions | None = None) -> "Pipeline":
         """Checkpoint folders (`target` and `draft`) or a built engine folder (`engines`).
 
         `threads` sets torch's intra-op threads: the target and the draft each run on one
-        core, so a second thread each would oversubscribe a 2-core machine.
+        core, so a second thread each would oversubscribe a 2-core machine. `options`
+        starts a request-level target (TensorRT-LLM) with those decoding knobs now rather
+        than at the first request.
         """
         if threads:
             torch.set_num_threads(threads)
@@ -47,6 +52,8 @@ class Pipeline:
         check_pair_compatible(target_engine.info.vocab_size, draft_engine.info.vocab_size,
                               target_engine.info.tokenizer_fingerprint,
                               draft_engine.info.tokenizer_fingerprint)
+        if options is not None and isinstance(target_engine, RequestTarget):
+            target_engine.start(options, draft_engine)
         return cls(target_engine, draft_engine)
 
     @property
@@ -85,12 +92,19 @@ class Pipeline:
         if branches is not None and options.prespeculating and wanted > branches:
             raise RequestError(f"{wanted} branches exceed the engines' built maximum {branches} "
                                f"(lower --fanout or --budget)")
+        if isinstance(self.target, RequestTarget):
+            try:
+                self.target.check_options(options)
+            except ValueError as error:
+                raise RequestError(str(error)) from error
 
     def generate(self, prompt_ids: list[int], options: DecodeOptions, sampling: SamplingParams,
                  on_tokens: OnTokens | None = None, cancelled: Cancelled = lambda: False) -> Generation:
         prompt_ids = [int(i) for i in prompt_ids]
         self.check_request(prompt_ids, options)
         eos = self.target.info.eos_token_id if options.eos_token_id is None else options.eos_token_id
+        if isinstance(self.target, RequestTarget):
+            return self.target.generate(self.draft, prompt_ids, options, sampling, eos, on_tokens, cancelled)
         if options.mode == "autoregressive":
             return autoregressive_decode(self.target, prompt_ids, options, sampling, eos, on_tokens, cancelled)
         return speculative_decode(self.target, self.draft, prompt_ids, options, sampling, eos,
