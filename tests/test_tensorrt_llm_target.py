@@ -11,6 +11,7 @@ knobs, and the mapping of sampling parameters both ways. With TensorRT-LLM insta
 machines) the last test runs the real thing.
 """
 import dataclasses
+import importlib.util
 import json
 import threading
 import types
@@ -335,10 +336,10 @@ def test_missing_tensorrt_llm_says_how_to_install_it(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.tensorrt_llm
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is None,
+                    reason="TensorRT-LLM installs on CUDA GPU machines only (pip install tensorrt_llm)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TensorRT-LLM needs a CUDA GPU")
 def test_real_tensorrt_llm_greedy_equals_the_target_alone(tiny_pair, tmp_path, reference_target):
-    pytest.importorskip("tensorrt_llm", reason="TensorRT-LLM installs on CUDA GPU machines only")
-    if not torch.cuda.is_available():
-        pytest.skip("TensorRT-LLM needs a CUDA GPU")
     out = tmp_path / "engines"
     build_engines(trtllm_config(tiny_pair, max_batch_size=2), out, show_progress=False)
     pipeline = Pipeline.load(engines=out, options=OPTIONS)
