@@ -152,7 +152,7 @@ def test_branch_plan_matches_reference(branch_session, k):
 @pytest.fixture(scope="module")
 def branch_node_session():
     """The BranchDraft node alone with all eight of its outputs as graph outputs: exactly
-    what the TensorRT plugin gives (int8 mask, int32 extents)."""
+    what the TensorRT plugin gives (int32 mask and extents)."""
     model = branch_onnx.standalone_model()
     graph = model.graph
     node = next(n for n in graph.node if n.op_type == "BranchDraft")
@@ -166,7 +166,7 @@ def branch_node_session():
 
 @pytest.mark.parametrize("k, fanout", [(3, [2, 0, 1, 3]), (0, [2]), (2, [0, 0, 0])])
 def test_branch_node_outputs_are_the_signature(branch_node_session, k, fanout):
-    """int8 mask equal to the reference's bool one; extents B, K*B, K + K*B as 0-d int32."""
+    """int32 mask equal to the reference's bool one; extents B, K*B, K + K*B as 0-d int32."""
     scores = torch.randn(k + 1, 17, generator=torch.Generator().manual_seed(k))
     drafts, fanout = scores[:k].argmax(-1), torch.tensor(fanout)
     expected = plan_branches(scores, drafts, fanout, 4)
@@ -175,7 +175,7 @@ def test_branch_node_outputs_are_the_signature(branch_node_session, k, fanout):
     got = dict(zip(branch_signature.output_names, outputs))
     for spec in branch_signature.outputs:
         assert got[spec.name].dtype == np.dtype(spec.dtype) and got[spec.name].ndim == spec.rank, spec.name
-    assert np.array_equal(got["window_mask"], expected.window_mask.numpy().astype(np.int8))
+    assert np.array_equal(got["window_mask"], expected.window_mask.numpy().astype(np.int32))
     b = int(fanout.sum())
     assert [int(got[name]) for name in ("branches", "mask_rows", "mask_cols")] == [b, k * b, k + k * b]
 

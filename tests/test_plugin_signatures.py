@@ -31,7 +31,7 @@ REGISTRATIONS = {"FusedVerify": verify_trt, "BranchDraft": branch_trt}
 # symbolic extents of each plugin's inputs
 INPUT_EXTENTS = {"target_logits": ["rows", "vocab"], "draft_tokens": ["drafts"], "draft_probs": ["drafts", "vocab"],
                  "uniforms": ["rows"], "scores": ["rows", "vocab"], "fanout": ["rows"]}
-TORCH_TYPES = {"int64": torch.int64, "int32": torch.int32, "int8": torch.int8}
+TORCH_TYPES = {"int64": torch.int64, "int32": torch.int32}
 
 
 def registered(module):
@@ -55,7 +55,7 @@ def test_no_plugin_takes_or_gives_bool_or_uint8(name):
 
 
 def test_a_signature_with_a_bool_plugin_output_is_refused():
-    with pytest.raises(ValueError, match="int8"):
+    with pytest.raises(ValueError, match="int32"):
         PluginSignature("Bad", "saguaro", "1", inputs=(), outputs=(TensorSpec("mask", ("bool",), 2),))
     PluginSignature("OnnxOnly", "saguaro", "1", inputs=(), outputs=(TensorSpec("mask", ("bool",), 2),),
                     tensorrt=False)
@@ -129,7 +129,7 @@ def test_branch_draft_plugin_body_fills_the_signature_outputs(k, fanout):
     expected = plan_branches(scores, drafts, fanout, 5)
     for name in ("depth", "token", "rank", "positions"):
         assert torch.equal(got[name], getattr(expected, name)), name
-    assert torch.equal(got["window_mask"], expected.window_mask.to(torch.int8))
+    assert torch.equal(got["window_mask"], expected.window_mask.to(torch.int32))
     b = int(fanout.sum())
     assert [int(got[name]) for name in ("branches", "mask_rows", "mask_cols")] == [b, k * b, k + k * b]
     with pytest.raises(ValueError, match="max_branches"):

@@ -132,7 +132,7 @@ def assemble_verify(forward: onnx.ModelProto, opset: int, vocab_size: int) -> on
 
 def branch_draft_model(opset: int, max_branches: int) -> onnx.ModelProto:
     """The draft's plan graph: the `BranchDraft` node (all eight outputs named, as TensorRT's
-    parser requires) and the Cast of its int8 mask to bool; nothing else."""
+    parser requires) and the Cast of its int32 mask to bool; nothing else."""
     nodes = branch_draft_onnx.plan_nodes(list(BRANCH_INPUTS), list(BRANCH_OUTPUTS), max_branches)
     graph = helper.make_graph(
         nodes, "branch_draft",

@@ -9,9 +9,10 @@ Runtime runs and what TensorRT's parser reads) and the `tensorrt.plugin` registr
   than TRT expected" also fires when the node names fewer);
 - `PluginTensorDesc::type` does not support `kBOOL` or `kUINT8` (NvInferRuntimePlugin.h,
   TensorRT 10.8 to 11.1), so no plugin input or output may have those types: a bool
-  result leaves the plugin as int8 and the graph casts it after the node.
+  result leaves the plugin as int32 (not int8: TensorRT's kINT8 is a quantized
+  floating-point type) and the graph casts it after the node.
 
-Element types are named by their `tensorrt` attribute names (`float32`, `int64`, `int8`
+Element types are named by their `tensorrt` attribute names (`float32`, `int64`, `int32`
 ...); `onnx_type` maps them to ONNX. A signature checks its own types when it is defined.
 """
 from __future__ import annotations
@@ -79,7 +80,7 @@ class PluginSignature:
                 raise ValueError(f"{self.name}.{spec.name}: unknown element type(s) {unknown}")
             if self.tensorrt and set(spec.dtypes) & set(UNSUPPORTED_PLUGIN_TYPES):
                 raise ValueError(f"{self.name}.{spec.name}: TensorRT plugins cannot take or give "
-                                 f"{'/'.join(UNSUPPORTED_PLUGIN_TYPES)} tensors; use int8 and cast outside")
+                                 f"{'/'.join(UNSUPPORTED_PLUGIN_TYPES)} tensors; use int32 and cast outside")
             if spec.size_tensor and (spec.rank != 0 or spec.dtypes != ("int32",)):
                 raise ValueError(f"{self.name}.{spec.name}: a size tensor is a 0-d int32")
 

@@ -4,10 +4,10 @@
 with the inputs and outputs of `signature.SIGNATURE`: scores `[K+1, V]` float,
 draft_tokens `[K]` int64, fanout `[K+1]` int64, context_length `[]` int64 in; depth
 `[B]`, token `[B]`, rank `[B]`, positions `[K, B]` (int64), window_mask
-`[K*B, K + K*B]` int8, and the 0-d int32 extents B, K*B, K + K*B out, with
+`[K*B, K + K*B]` int32, and the 0-d int32 extents B, K*B, K + K*B out, with
 B = sum(fanout). ONNX Runtime handles the data-dependent B natively (NonZero); for
 TensorRT the node's `max_branches` attribute bounds it (see `tensorrt_plugin.py`).
-`plan_nodes` is what a graph holds: the node, then a Cast of its int8 mask to the bool
+`plan_nodes` is what a graph holds: the node, then a Cast of its int32 mask to the bool
 `window_mask` the engines use.
 
 `saguaro::GatherKV`: cache `[..., S, D]` (the export's `[layers, batch, heads, S, D]`),
@@ -125,7 +125,7 @@ def function_proto(opset: int = 17) -> onnx.FunctionProto:
     g.op("Identity", token, outputs=["token"])
     g.op("Identity", rank, outputs=["rank"])
     g.op("Identity", branch_positions(g, depth, draft_count), outputs=["positions"])
-    g.op("Cast", tree_mask(g, depth, draft_count), to=TensorProto.INT8, outputs=["window_mask"])
+    g.op("Cast", tree_mask(g, depth, draft_count), to=TensorProto.INT32, outputs=["window_mask"])
     for name, extent in zip(SIZE_OUTPUTS, extents(g, depth, draft_count)):
         g.op("Identity", extent, outputs=[name])
     return helper.make_function(DOMAIN, SIGNATURE.name, list(INPUTS), list(OUTPUTS), g.nodes,
@@ -141,14 +141,14 @@ def make_node(inputs: list[str], outputs: list[str], name: str | None = None,
 
 def plan_nodes(inputs: list[str], outputs: list[str], max_branches: int = DEFAULT_MAX_BRANCHES,
                name: str = SIGNATURE.name) -> list[onnx.NodeProto]:
-    """The node and the Cast of its int8 mask: `outputs` names the `PLAN_OUTPUTS`, the mask
+    """The node and the Cast of its int32 mask: `outputs` names the `PLAN_OUTPUTS`, the mask
     among them bool; the extents get names of their own and stay inside the graph."""
     if len(outputs) != len(PLAN_OUTPUTS):
         raise ValueError(f"a branch plan gives {PLAN_OUTPUTS}, got {outputs}")
     *plan, mask = outputs
-    node_outputs = [*plan, f"{mask}_int8", *(f"{name}_{extent}" for extent in SIZE_OUTPUTS)]
+    node_outputs = [*plan, f"{mask}_int32", *(f"{name}_{extent}" for extent in SIZE_OUTPUTS)]
     return [make_node(inputs, node_outputs, name, max_branches),
-            helper.make_node("Cast", [f"{mask}_int8"], [mask], name=f"{name}_mask_to_bool", to=TensorProto.BOOL)]
+            helper.make_node("Cast", [f"{mask}_int32"], [mask], name=f"{name}_mask_to_bool", to=TensorProto.BOOL)]
 
 
 # Symbolic shapes of the standalone model's inputs and outputs.

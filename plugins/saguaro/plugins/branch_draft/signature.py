@@ -4,8 +4,9 @@ B = sum(fanout) is data-dependent, so on TensorRT the outputs have data-dependen
 with a size tensor per extent (`tensorrt.plugin` forbids arithmetic on size-tensor
 expressions, so the mask's extents K*B and K + K*B get size tensors of their own). Those
 three are outputs of the plugin, so the ONNX node names them too; the graph leaves them
-dangling. The tree mask leaves the op as int8 (plugins cannot give bool tensors) and the
-graph casts it to bool after the node, on every backend alike.
+dangling. The tree mask leaves the op as int32 (plugins cannot give bool tensors, and
+TensorRT's int8 is a quantized type) and the graph casts it to bool after the node, on
+every backend alike.
 
 GatherKV is an ONNX-only op: TensorRT engines commit a branch in place between engine
 calls instead (see `tensorrt_plugin.py`).
@@ -27,7 +28,7 @@ SIGNATURE = PluginSignature(
              TensorSpec("token", ("int64",), 1),        # [B]
              TensorSpec("rank", ("int64",), 1),         # [B]
              TensorSpec("positions", ("int64",), 2),    # [K, B]
-             TensorSpec("window_mask", ("int8",), 2),   # [K*B, K + K*B], 0 or 1
+             TensorSpec("window_mask", ("int32",), 2),  # [K*B, K + K*B], 0 or 1
              TensorSpec("branches", ("int32",), 0, size_tensor=True),   # B
              TensorSpec("mask_rows", ("int32",), 0, size_tensor=True),  # K*B
              TensorSpec("mask_cols", ("int32",), 0, size_tensor=True)),  # K + K*B

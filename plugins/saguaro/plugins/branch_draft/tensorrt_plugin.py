@@ -1,7 +1,7 @@
 """BranchDraft registered with TensorRT's Python plugin API (`tensorrt.plugin`, TensorRT >= 10.8).
 
 The outputs are `signature.SIGNATURE`'s, in its order: the plan (depth, token, rank
-`[B]`, positions `[K, B]`, the int8 window mask `[K*B, K + K*B]`) and the three 0-d int32
+`[B]`, positions `[K, B]`, the int32 window mask `[K*B, K + K*B]`) and the three 0-d int32
 size tensors B, K*B, K + K*B that TensorRT's data-dependent shapes need, each bounded
 through the node's `max_branches` attribute. The ONNX node names all eight (TensorRT's
 parser requires exactly the plugin's count) and the graph casts the mask to bool after

@@ -91,7 +91,7 @@ def launch_candidate_keys(scores: torch.Tensor, draft_tokens: torch.Tensor, fano
 
 def launch_tree_layout(depth: torch.Tensor, context_length: torch.Tensor, num_drafts: int,
                        positions: torch.Tensor, window_mask: torch.Tensor) -> None:
-    """Fill positions `[K, B]` and the window mask `[K*B, K + K*B]` (K steps; bool, or int8
+    """Fill positions `[K, B]` and the window mask `[K*B, K + K*B]` (K steps; bool, or int32
     as the TensorRT plugin gives it: a store casts to the buffer's type)."""
     num_branches = depth.shape[0]
     if num_drafts * num_branches == 0:
