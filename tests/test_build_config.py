@@ -85,11 +85,11 @@ def test_unreadable_config_files(tmp_path):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("pair")
-    make_checkpoint(root / "target", vocab_size=16, hidden=16, max_positions=64)
-    make_checkpoint(root / "draft", vocab_size=16, hidden=16, max_positions=64, seed=1)
-    make_checkpoint(root / "other_tokenizer", vocab_size=16, hidden=16, max_positions=64, word_prefix="v")
-    make_checkpoint(root / "other_vocab", vocab_size=20, hidden=16, max_positions=64)
-    not_llama = make_checkpoint(root / "not_llama", vocab_size=16, hidden=16, max_positions=64)
+    make_checkpoint(root / "target", vocab_size=16, hidden=16, heads=1, kv_heads=1, max_positions=64)
+    make_checkpoint(root / "draft", vocab_size=16, hidden=16, heads=1, kv_heads=1, max_positions=64, seed=1)
+    make_checkpoint(root / "other_tokenizer", vocab_size=16, hidden=16, heads=1, kv_heads=1, max_positions=64, word_prefix="v")
+    make_checkpoint(root / "other_vocab", vocab_size=20, hidden=16, heads=1, kv_heads=1, max_positions=64)
+    not_llama = make_checkpoint(root / "not_llama", vocab_size=16, hidden=16, heads=1, kv_heads=1, max_positions=64)
     config = json.loads((not_llama / "config.json").read_text())
     (not_llama / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     return root
@@ -101,7 +101,7 @@ def pair(tmp_path_factory):
     (dict(draft="other_vocab"), CheckpointError, "draft vocab_size 20 differs from target vocab_size 16"),
     (dict(target="not_llama"), CheckpointError, "target checkpoint .* model_type is 'gpt2'"),
     (dict(draft="missing"), CheckpointError, "does not exist"),
-    (dict(backend="tensorrt"), ConfigError, "pip install --extra-index-url https://pypi.nvidia.com tensorrt"),
+    (dict(backend="tensorrt"), ConfigError, "pip install --extra-index-url https://pypi.nvidia.com 'tensorrt>=10.8,<12'"),
 ])
 def test_builder_rejects_bad_input_before_any_work(pair, tmp_path, change, error, message):
     if change.get("backend") == "tensorrt" and _has_tensorrt():

@@ -240,25 +240,6 @@ def test_stripped_tensorrt_graphs_pass_the_checker_and_name_their_plugins(tiny_p
                 assert attributes["max_branches"] == 16
 
 
-@pytest.mark.tensorrt
-def test_tensorrt_engines_match_onnxruntime(tiny_pair, tmp_path, engines):
-    pytest.importorskip("tensorrt", reason="TensorRT installs from NVIDIA's index only (GPU machines)")
-    out = tmp_path / "tensorrt"
-    build_engines(engine_config(tiny_pair, backend="tensorrt"), out, show_progress=False)
-    compiled = load_engine_pair(out)
-    for trt_engine, ort_engine in zip(compiled, engines):
-        (trt_cache, got), (ort_cache, want) = prefilled(trt_engine, PROMPT), prefilled(ort_engine, PROMPT)
-        assert_same_logits(got, want)
-    drafts, uniforms = torch.tensor([3, 4, 5]), torch.rand(4)
-    tokens, positions = torch.tensor([PROMPT[-1], 3, 4, 5]), torch.arange(len(PROMPT), len(PROMPT) + 4)
-    outcomes = [engine.verify(engine.new_cache(64), tokens, positions, drafts, None, uniforms, SamplingParams())
-                for engine in (compiled[0], engines[0])]
-    assert outcomes[0] == outcomes[1]
-    scores, fanout = torch.randn(4, compiled[1].info.vocab_size), torch.tensor([2, 1, 0, 2])
-    got, want = (engine.plan_branches(scores, drafts, fanout, 10) for engine in (compiled[1], engines[1]))
-    assert torch.equal(got.window_mask, want.window_mask) and torch.equal(got.token, want.token)
-
-
 @pytest.mark.parametrize("role", [0, 1], ids=["target", "draft"])
 def test_a_batched_forward_gives_each_sequence_its_own_result(engines, references, role):
     """One ragged batch (own lengths, own query lengths, one tree-masked row, a gap of an

@@ -7,8 +7,10 @@ import torch
 
 from saguaro.plugins.branch_draft import onnx_function as branch_onnx
 from saguaro.plugins.branch_draft.reference import commit_indices, gather_kv, plan_branches
+from saguaro.plugins.branch_draft.signature import SIGNATURE as branch_signature
 from saguaro.plugins.fused_verify import onnx_function as verify_onnx
 from saguaro.plugins.fused_verify.reference import fused_verify
+from saguaro.plugins.signature import onnx_type
 from verify_rounds import random_round
 
 OPSETS = (17, 21)  # 18 moved ReduceMin/Max axes to an input; 21 is recent
@@ -125,7 +127,7 @@ def test_uniforms_steer_the_bonus(verify_session):
 def run_branches(sess, scores, drafts, fanout, context_length):
     feeds = {"scores": scores.numpy(), "draft_tokens": drafts.numpy(), "fanout": fanout.numpy(),
              "context_length": np.array(context_length, np.int64)}
-    return dict(zip(branch_onnx.OUTPUTS, sess.run(None, feeds)))
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
 
 
 def fanouts_for(k):
@@ -141,10 +143,41 @@ def test_branch_plan_matches_reference(branch_session, k):
         fanout = torch.tensor(fanout)
         expected = plan_branches(scores, drafts, fanout, 11)
         got = run_branches(branch_session, scores, drafts, fanout, 11)
-        for name in branch_onnx.OUTPUTS:
+        for name in branch_onnx.PLAN_OUTPUTS:
             want = getattr(expected, name).numpy()
             assert got[name].dtype == want.dtype and got[name].shape == want.shape, (name, fanout)
             assert np.array_equal(got[name], want), (name, fanout)
+
+
+@pytest.fixture(scope="module")
+def branch_node_session():
+    """The BranchDraft node alone with all eight of its outputs as graph outputs: exactly
+    what the TensorRT plugin gives (int32 mask and extents)."""
+    model = branch_onnx.standalone_model()
+    graph = model.graph
+    node = next(n for n in graph.node if n.op_type == "BranchDraft")
+    del graph.node[:]
+    graph.node.append(node)
+    del graph.output[:]
+    graph.output.extend(onnx.helper.make_tensor_value_info(name, onnx_type(spec.dtype), [None] * spec.rank)
+                        for name, spec in zip(node.output, branch_signature.outputs))
+    return session(model)
+
+
+@pytest.mark.parametrize("k, fanout", [(3, [2, 0, 1, 3]), (0, [2]), (2, [0, 0, 0])])
+def test_branch_node_outputs_are_the_signature(branch_node_session, k, fanout):
+    """int32 mask equal to the reference's bool one; extents B, K*B, K + K*B as 0-d int32."""
+    scores = torch.randn(k + 1, 17, generator=torch.Generator().manual_seed(k))
+    drafts, fanout = scores[:k].argmax(-1), torch.tensor(fanout)
+    expected = plan_branches(scores, drafts, fanout, 4)
+    outputs = branch_node_session.run(None, {"scores": scores.numpy(), "draft_tokens": drafts.numpy(),
+                                             "fanout": fanout.numpy(), "context_length": np.array(4, np.int64)})
+    got = dict(zip(branch_signature.output_names, outputs))
+    for spec in branch_signature.outputs:
+        assert got[spec.name].dtype == np.dtype(spec.dtype) and got[spec.name].ndim == spec.rank, spec.name
+    assert np.array_equal(got["window_mask"], expected.window_mask.numpy().astype(np.int32))
+    b = int(fanout.sum())
+    assert [int(got[name]) for name in ("branches", "mask_rows", "mask_cols")] == [b, k * b, k + k * b]
 
 
 def test_branch_keys_skip_the_draft_token(branch_session):

@@ -153,6 +153,10 @@ COMPILE_SCRIPT = textwrap.dedent("""
         (bd.tree_layout_kernel, sig(depth_ptr="*i64", positions_ptr="*i64", mask_ptr="*i1",
             context_length_ptr="*i64", num_drafts="i32", num_branches="i32", BLOCK_COLS="constexpr"),
             {"BLOCK_COLS": 128}),
+        # the TensorRT plugin's mask is int32 (plugins cannot give bool)
+        (bd.tree_layout_kernel, sig(depth_ptr="*i64", positions_ptr="*i64", mask_ptr="*i32",
+            context_length_ptr="*i64", num_drafts="i32", num_branches="i32", BLOCK_COLS="constexpr"),
+            {"BLOCK_COLS": 128}),
         (bd.gather_kv_kernel, sig(buffer_ptr="*fp16", source_ptr="*i64", start="i32", count="i32",
             capacity="i32", head_dim="i32", BLOCK_N="constexpr", BLOCK_D="constexpr"),
             {"BLOCK_N": 8, "BLOCK_D": 64}),

@@ -1,17 +1,18 @@
 """The TensorRT side: plugin nodes stripped for the parser, profiles, registrations, builds.
 
 What needs TensorRT itself (registering with `tensorrt.plugin`, building and running an
-engine on a GPU) is skipped where `tensorrt` is not installed: it comes from NVIDIA's
-index only. The ONNX-side preparation runs everywhere.
+engine on a GPU) is in `test_gpu.py` (`scripts/gpu_check.sh`); here the ONNX-side
+preparation and the builder's calls, against a stand-in of TensorRT 10.x and 11.x.
 """
-import types
 from unittest import mock
 
 import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from saguaro.compiler import tensorrt_builder
+from fake_tensorrt import fake_tensorrt
+from saguaro.compiler import builder, tensorrt_builder
+from saguaro.compiler.config import BuildConfig, ConfigError
 from saguaro.compiler.tensorrt_builder import TensorRTBuildOptions, profile_shapes, strip_plugin_functions
 from saguaro.plugins.branch_draft import PLUGIN_VERSION as BRANCH_VERSION
 from saguaro.plugins.branch_draft import onnx_function as branch_onnx
@@ -19,8 +20,7 @@ from saguaro.plugins.branch_draft import tensorrt_plugin as branch_trt
 from saguaro.plugins.fused_verify import PLUGIN_VERSION as VERIFY_VERSION
 from saguaro.plugins.fused_verify import onnx_function as verify_onnx
 from saguaro.plugins.fused_verify import tensorrt_plugin as verify_trt
-from saguaro.plugins.tensorrt_plugins import register_plugins
-from saguaro.plugins.tensorrt_registry import check_plugin_version
+from saguaro.plugins.tensorrt_registry import check_plugin_version, check_tensorrt_version
 
 try:
     import tensorrt  # noqa: F401
@@ -119,88 +119,57 @@ def test_missing_tensorrt_says_how_to_install_it(tmp_path):
         tensorrt_builder.build_engine(tmp_path / "model.onnx", tmp_path / "model.plan", {})
 
 
-def fake_tensorrt() -> types.SimpleNamespace:
-    """Just enough of the `tensorrt` module for `build_engine` to drive (a call-sequence check)."""
-    trt = mock.MagicMock(name="tensorrt")
-    trt.__version__ = "10.8.0"
-    trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED = 1
-    trt.Builder.return_value.build_serialized_network.return_value = b"plan-bytes"
-    trt.OnnxParser.return_value.parse.return_value = True
-    return trt
-
-
-def test_build_engine_drives_the_builder_api(tmp_path):
+@pytest.mark.parametrize("version, flags", [("10.8.0.43", 1 << 1), ("11.0.0", 0)])
+def test_build_engine_drives_the_builder_api(tmp_path, version, flags):
+    """On 10.x the network is created STRONGLY_TYPED (by name: the flag is 1 there); on 11
+    every network is strongly typed and the deprecated flag (0 there) is not passed."""
     onnx_path = tmp_path / "branch.onnx"
     onnx.save(branch_onnx.standalone_model(), onnx_path)
-    trt = fake_tensorrt()
+    trt = fake_tensorrt(version)
     options = TensorRTBuildOptions(dim_ranges={"rows": (1, 5, 9), "vocab": (64, 64, 64), "drafts": (0, 4, 8)})
     with mock.patch.object(tensorrt_builder, "import_tensorrt", return_value=trt), \
             mock.patch.object(tensorrt_builder, "register_plugins") as register:
         tensorrt_builder.build_engine(onnx_path, tmp_path / "out" / "branch.plan", options)
     register.assert_called_once()
-    trt.Builder.return_value.create_network.assert_called_once_with(1 << 1)
+    trt.Builder.return_value.create_network.assert_called_once_with(flags)
     parsed_bytes, parsed_path = trt.OnnxParser.return_value.parse.call_args.args
     parsed = onnx.load_from_string(parsed_bytes)
     assert len(parsed.functions) == 0 and parsed_path == str(onnx_path)
     profile = trt.Builder.return_value.create_optimization_profile.return_value
     profile.set_shape.assert_any_call("scores", (1, 64), (5, 64), (9, 64))
+    trt.Builder.return_value.create_builder_config.return_value.set_flag.assert_not_called()
     assert (tmp_path / "out" / "branch.plan").read_bytes() == b"plan-bytes"
 
 
 def test_weak_typing_flags_only_where_tensorrt_still_has_them():
-    trt, config = fake_tensorrt(), mock.MagicMock()
-    tensorrt_builder.apply_precision(trt, config, TensorRTBuildOptions(precision="fp16", strongly_typed=False))
+    weak_fp16 = TensorRTBuildOptions(precision="fp16", strongly_typed=False)
+    trt, config = fake_tensorrt("10.9.0"), mock.MagicMock()
+    tensorrt_builder.apply_precision(trt, config, weak_fp16)
     config.set_flag.assert_called_once_with(trt.BuilderFlag.FP16)
-    trt.BuilderFlag = types.SimpleNamespace()  # TensorRT 11: weak typing removed
-    with pytest.raises(RuntimeError, match="strongly_typed"):
-        tensorrt_builder.apply_precision(trt, config, TensorRTBuildOptions(precision="fp16", strongly_typed=False))
+    assert tensorrt_builder.network_flags(trt, weak_fp16) == 0
+    trt, config = fake_tensorrt("11.1.0"), mock.MagicMock()  # weak typing removed
+    with pytest.raises(RuntimeError, match="no weak typing"):
+        tensorrt_builder.apply_precision(trt, config, weak_fp16)
+    config.set_flag.assert_not_called()
+    tensorrt_builder.check_precision_support(trt, TensorRTBuildOptions(precision="fp32"))
 
 
-# ---- with TensorRT (GPU machines) ----
-
-needs_tensorrt = pytest.mark.tensorrt
-
-
-@needs_tensorrt
-def test_plugins_register_with_tensorrt():
-    pytest.importorskip("tensorrt", reason="TensorRT comes from NVIDIA's index only (pypi.nvidia.com)")
-    import tensorrt as trt
-
-    register_plugins()
-    registry = trt.get_plugin_registry()
-    for name in ("FusedVerify", "BranchDraft"):
-        assert registry.get_creator(name, "1", "saguaro") is not None
+def test_fp16_on_tensorrt_11_is_refused_before_any_export(tiny_pair):
+    config = BuildConfig(name="fp16", target=tiny_pair / "target", draft=tiny_pair / "draft",
+                         backend="tensorrt", precision="fp16")
+    with mock.patch.object(builder, "import_tensorrt", return_value=fake_tensorrt("11.0.0")):
+        with pytest.raises(ConfigError, match="precision=fp16.*no weak typing"):
+            builder.check_backend(config)
+    with mock.patch.object(builder, "import_tensorrt", return_value=fake_tensorrt("10.16.0")):
+        builder.check_backend(config)
 
 
-@needs_tensorrt
-@pytest.mark.parametrize("k", [0, 3])
-def test_fused_verify_engine_matches_reference(tmp_path, k):
-    pytest.importorskip("tensorrt", reason="TensorRT comes from NVIDIA's index only (pypi.nvidia.com)")
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("TensorRT engines need a CUDA GPU")
-    import tensorrt as trt
+@pytest.mark.parametrize("version", ["10.8.0.43", "10.16.1", "11.0.0", "11.4.2.1"])
+def test_supported_tensorrt_versions(version):
+    check_tensorrt_version(version)
 
-    from saguaro.plugins.fused_verify.reference import fused_verify
 
-    onnx_path = tmp_path / "verify.onnx"
-    onnx.save(verify_onnx.standalone_model(), onnx_path)
-    dims = {"rows": (1, 4, 9), "drafts": (0, 3, 8), "vocab": (50, 50, 50)}
-    plan = tensorrt_builder.build_engine(onnx_path, tmp_path / "verify.plan", {"dims": dims})
-    engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(plan.read_bytes())
-    context = engine.create_execution_context()
-    generator = torch.Generator().manual_seed(k)
-    logits, q = torch.randn(k + 1, 50, generator=generator), torch.softmax(torch.randn(k, 50, generator=generator), -1)
-    drafts, uniforms = torch.randint(0, 50, (k,), generator=generator), torch.rand(k + 1, generator=generator)
-    feeds = {"target_logits": logits, "draft_tokens": drafts, "draft_probs": q, "uniforms": uniforms,
-             "temperature": torch.tensor(0.8), "top_k": torch.tensor(0), "top_p": torch.tensor(0.9)}
-    device = {name: value.cuda().contiguous() for name, value in feeds.items()}
-    outputs = {name: torch.empty((), dtype=torch.int64, device="cuda") for name in ("accepted", "bonus")}
-    for name, tensor in {**device, **outputs}.items():
-        if name in device:
-            context.set_input_shape(name, tuple(tensor.shape))
-        context.set_tensor_address(name, tensor.data_ptr())
-    assert context.execute_async_v3(torch.cuda.current_stream().cuda_stream)
-    torch.cuda.synchronize()
-    expected = fused_verify(logits, drafts, q, uniforms, 0.8, 0, 0.9)
-    assert (int(outputs["accepted"]), int(outputs["bonus"])) == tuple(int(v) for v in expected)
+@pytest.mark.parametrize("version", ["10.7.0", "9.3.0", "12.0.0"])
+def test_unsupported_tensorrt_versions_are_refused_with_the_range(version):
+    with pytest.raises(ImportError, match=r">= 10.8, < 12"):
+        check_tensorrt_version(version)

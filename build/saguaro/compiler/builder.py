@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from saguaro.compiler import export, onnxruntime_builder
 from saguaro.compiler.config import BuildConfig, ConfigError, config_to_dict
-from saguaro.compiler.tensorrt_builder import TensorRTBuildOptions, build_engine
+from saguaro.compiler.tensorrt_builder import TensorRTBuildOptions, build_engine, check_precision_support
 from saguaro.plugins.tensorrt_registry import import_tensorrt
 from saguaro.runtime.engines.manifest import MANIFEST_FILE, sha256_file, write_manifest
 from saguaro.runtime.checkpoint import (CheckpointError, check_pair_compatible, llama_shape, load_checkpoint,
@@ -38,6 +38,19 @@ TOKENIZER_DIR = "tokenizer"
 # Runtime gets its fused operators. Both commit a branch between engine calls (in place).
 GRAPHS = {"onnxruntime": onnxruntime_builder.GRAPHS,
           "tensorrt": {"target": ("forward", "verify"), "draft": ("forward", "branch_draft")}}
+
+
+def role_backend(config: BuildConfig, role: str) -> str | None:
+    """What a role's graphs are built for; None for a target TensorRT-LLM runs from its
+    checkpoint (nothing to build)."""
+    if role == "target" and config.backend == "tensorrt_llm":
+        return None
+    return config.draft_backend if role == "draft" else config.backend
+
+
+def graphs_built(config: BuildConfig, role: str) -> tuple[str, ...]:
+    backend = role_backend(config, role)
+    return () if backend is None else GRAPHS[backend][role]
 
 
 @dataclass
@@ -75,15 +88,24 @@ def check_sources(config: BuildConfig, target: Source, draft: Source) -> None:
         if config.max_context > source.shape.max_position_embeddings:
             raise ConfigError(f"max_context={config.max_context} is beyond the {source.role} model's "
                               f"max_position_embeddings {source.shape.max_position_embeddings}")
+        if role_backend(config, source.role) == "onnxruntime" and source.shape.head_dim % 16:
+            raise ConfigError(f"the {source.role} model's head_dim {source.shape.head_dim} is not a multiple of 16, "
+                              "which ONNX Runtime's fused attention (GroupQueryAttention) needs")
 
 
 def check_backend(config: BuildConfig) -> None:
-    """Import what the backend build needs now, not after minutes of exporting."""
-    if config.backend == "tensorrt":
+    """Import what the backend build needs now, not after minutes of exporting. (A
+    tensorrt_llm target needs TensorRT-LLM only where it is served, not to build.)"""
+    if config.draft_backend == "tensorrt":
         try:
-            import_tensorrt()
+            trt = import_tensorrt()
         except ImportError as error:
-            raise ConfigError(f"backend=tensorrt: {error}") from error
+            raise ConfigError(f"backend={config.backend}: {error}") from error
+        try:
+            check_precision_support(trt, TensorRTBuildOptions(precision=config.precision,
+                                                              strongly_typed=tensorrt_strongly_typed(config)))
+        except RuntimeError as error:
+            raise ConfigError(f"backend={config.backend}, precision={config.precision}: {error}") from error
     elif config.precision in ("int8", "int4"):
         try:
             from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer  # noqa: F401
@@ -101,7 +123,10 @@ def check_output(out: Path) -> None:
 
 def export_model(config: BuildConfig, source: Source, folder: Path, work: Path) -> dict[str, Path]:
     """The role's ONNX graphs (plugin nodes included) in `folder`; returns stem -> path."""
-    if config.backend == "onnxruntime":
+    backend = role_backend(config, source.role)
+    if backend is None:
+        return {}
+    if backend == "onnxruntime":
         return onnxruntime_builder.export_role(config, source.role, source.shape, source.path, folder)
     model = load_checkpoint(source.path).model
     forward = export.export_forward(model, work / f"{source.role}_forward.onnx", config.opset)
@@ -116,24 +141,34 @@ def export_model(config: BuildConfig, source: Source, folder: Path, work: Path) 
 
 
 def build_backend(config: BuildConfig, path: Path, shape) -> Path:
-    """The file the runtime loads for one graph: the checked ONNX file, or a TensorRT plan."""
-    if config.backend == "onnxruntime":
+    """The file the runtime loads for one graph: the checked ONNX file, or a TensorRT plan
+    (only the draft's graphs are built with a tensorrt_llm target: the draft backend)."""
+    if config.draft_backend == "onnxruntime":
         return onnxruntime_builder.check_loads(path, config.session)
-    return build_engine(path, path.with_suffix(".plan"), tensorrt_options(config, shape.vocab_size))
+    return build_engine(path, path.with_suffix(".plan"), tensorrt_options(config, shape.vocab_size, path.stem))
 
 
-def tensorrt_options(config: BuildConfig, vocab_size: int):
-    """One optimisation profile over the graphs' named dimensions. Opt shapes are a decode
-    step at half the context, consistent across inputs (total = past + n)."""
+def tensorrt_strongly_typed(config: BuildConfig) -> bool:
+    """fp16 asks the builder for lower-precision kernels of the fp32 graph (weak typing)."""
+    return config.precision == "fp32"
 
+
+def tensorrt_options(config: BuildConfig, vocab_size: int, graph: str) -> TensorRTBuildOptions:
+    """The optimisation profile of one graph over its named dimensions.
+
+    Each corner (min, opt, max) is a shape set the graph can run, with total = past + n
+    (the tests run every graph under ONNX Runtime at all three): the range of every
+    input covers any call the runtime makes (past + n never exceeds the cache, which the
+    box past <= cache, n <= longest query contains), and opt is a decode step at half the
+    context. A verify feeds its K+1 tokens, so its query length follows K."""
     cache, k, typical = config.max_cache_entries, config.max_draft_tokens, config.max_context // 2
     longest_query = max(config.max_context, k + 1, config.max_branches)
-    dims = {"batch": (1, 1, config.max_batch), "n": (1, 1, longest_query),
-            "past": (0, typical, cache), "total": (1, typical + 1, cache),
+    query = (1, k + 1, k + 1) if graph == "verify" else (1, 1, longest_query)
+    dims = {"batch": (1, 1, config.max_batch), "n": query, "past": (0, typical, cache),
+            "total": tuple(p + n for p, n in zip((0, typical, cache), query)),
             "k": (0, k, k), "k_plus_1": (1, k + 1, k + 1), "vocab": (vocab_size,) * 3}
-    # fp16 asks the builder for lower-precision kernels of the fp32 graph (weak typing)
     return TensorRTBuildOptions(dim_ranges=dims, precision=config.precision,
-                                strongly_typed=config.precision == "fp32")
+                                strongly_typed=tensorrt_strongly_typed(config))
 
 
 def copy_tokenizer(source: Path, folder: Path) -> list[str]:
@@ -164,8 +199,8 @@ def versions(config: BuildConfig) -> dict[str, str]:
              "onnxruntime": onnxruntime.__version__, "transformers": transformers.__version__,
              "opset": str(config.opset),
              "exporter": {"onnxruntime": "saguaro.compiler.fused_export (onnx.helper, ONNX Runtime fused ops)",
-                          "tensorrt": "torch.onnx.export (TorchScript)"}[config.backend]}
-    if config.backend == "tensorrt":
+                          "tensorrt": "torch.onnx.export (TorchScript)"}[config.draft_backend]}
+    if config.draft_backend == "tensorrt":
         found["tensorrt"] = import_tensorrt().__version__
     return found
 
@@ -217,7 +252,7 @@ def build_engines(config: BuildConfig, out: Path, show_progress: bool = True) ->
     shutil.rmtree(staging, ignore_errors=True)
     (staging / "work").mkdir(parents=True)
     record = BuildRecord()
-    steps = sum(1 + len(GRAPHS[config.backend][s.role]) for s in sources) + 2
+    steps = sum(1 + len(graphs_built(config, s.role)) for s in sources) + 2
     try:
         with tqdm(total=steps, desc="build", disable=not show_progress, file=sys.stderr) as bar:
             for source in sources:

@@ -19,10 +19,14 @@ import yaml
 
 from saguaro.runtime.contracts import draft_cache_capacity
 from saguaro.runtime.engines.onnxruntime_engine import SessionSettings
+from saguaro.runtime.engines.tensorrt_llm_settings import TensorRTLLMSettings
 
-BACKENDS = ("onnxruntime", "tensorrt")
+# tensorrt_llm: the target runs in TensorRT-LLM from its checkpoint (nothing to build);
+# the draft's graphs are built for `tensorrt_llm.draft_backend`.
+BACKENDS = ("onnxruntime", "tensorrt", "tensorrt_llm")
 # int8: ORT dynamic quantisation (MatMulInteger); int4: ORT's weight-only MatMulNBits.
 # TensorRT builds float engines here; its int8/int4 would need calibration or Q/DQ graphs.
+# For tensorrt_llm, `precision` is the draft's, in its draft backend.
 PRECISIONS = {"onnxruntime": ("fp32", "int8", "int4"), "tensorrt": ("fp32", "fp16")}
 MIN_OPSET = 17  # LayerNormalization-era opsets; the plugin functions are written for >= 17
 MAX_DRAFT_TOKENS_LIMIT = 64  # beyond this a verify forward is no longer "one step"
@@ -45,6 +49,12 @@ class BuildConfig:
     max_batch: int = 8            # KV slots per model: sequences decoded at once
     opset: int = MIN_OPSET
     session: SessionSettings = SessionSettings()
+    tensorrt_llm: TensorRTLLMSettings = TensorRTLLMSettings()
+
+    @property
+    def draft_backend(self) -> str:
+        """What the draft's graphs are built for (the target's too, except with tensorrt_llm)."""
+        return self.tensorrt_llm.draft_backend if self.backend == "tensorrt_llm" else self.backend
 
     @property
     def max_cache_entries(self) -> int:
@@ -77,11 +87,20 @@ TOP_LEVEL_TYPES = {
     "max_batch": (_is_int, "an integer"),
     "opset": (_is_int, "an integer"),
     "session": (lambda v: v is None or isinstance(v, dict), "a mapping (threads, pin_cores, spin)"),
+    "tensorrt_llm": (lambda v: v is None or isinstance(v, dict),
+                     "a mapping (draft_backend, max_batch_size, kv_cache_free_gpu_memory_fraction, single_process)"),
 }
 SESSION_TYPES = {
     "threads": (_is_int, "an integer"),
     "pin_cores": (_is_core_list, "a list of core numbers or null"),
     "spin": (lambda v: isinstance(v, bool), "true or false"),
+}
+TENSORRT_LLM_TYPES = {
+    "draft_backend": (lambda v: isinstance(v, str), "a string"),
+    "max_batch_size": (_is_int, "an integer"),
+    "kv_cache_free_gpu_memory_fraction": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+                                          "a number"),
+    "single_process": (lambda v: isinstance(v, bool), "true or false"),
 }
 REQUIRED = ("name", "target", "draft")
 
@@ -102,9 +121,10 @@ def _check_values(config: BuildConfig, where: str) -> None:
 
     if config.backend not in BACKENDS:
         fail("backend", config.backend, f"is not one of {', '.join(BACKENDS)}")
-    if config.precision not in PRECISIONS[config.backend]:
+    if config.precision not in PRECISIONS[config.draft_backend]:
+        backend = config.draft_backend if config.backend == "tensorrt_llm" else config.backend
         fail("precision", config.precision,
-             f"is not supported by backend {config.backend} (choose {', '.join(PRECISIONS[config.backend])})")
+             f"is not supported by backend {backend} (choose {', '.join(PRECISIONS[config.draft_backend])})")
     if not 1 <= config.max_draft_tokens <= MAX_DRAFT_TOKENS_LIMIT:
         fail("max_draft_tokens", config.max_draft_tokens, f"must be in 1..{MAX_DRAFT_TOKENS_LIMIT}")
     if config.max_branches < 0:
@@ -135,9 +155,15 @@ def config_from_dict(raw: Any, where: str = "config") -> BuildConfig:
     _check_keys_and_types(session_raw, SESSION_TYPES, f"{where}: session")
     pins = session_raw.get("pin_cores")
     session = SessionSettings(**{**session_raw, "pin_cores": tuple(pins) if pins is not None else None})
-    fields = {key: value for key, value in raw.items() if key != "session"}
+    tensorrt_llm_raw = raw.get("tensorrt_llm") or {}
+    _check_keys_and_types(tensorrt_llm_raw, TENSORRT_LLM_TYPES, f"{where}: tensorrt_llm")
+    try:
+        tensorrt_llm = TensorRTLLMSettings(**tensorrt_llm_raw)
+    except ValueError as error:
+        raise ConfigError(f"{where}: {error}") from error
+    fields = {key: value for key, value in raw.items() if key not in ("session", "tensorrt_llm")}
     fields["target"], fields["draft"] = Path(fields["target"]), Path(fields["draft"])
-    config = BuildConfig(**fields, session=session)
+    config = BuildConfig(**fields, session=session, tensorrt_llm=tensorrt_llm)
     _check_values(config, where)
     return config
 

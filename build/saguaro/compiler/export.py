@@ -127,10 +127,11 @@ def assemble_verify(forward: onnx.ModelProto, opset: int, vocab_size: int) -> on
 
 
 def branch_draft_model(opset: int, max_branches: int) -> onnx.ModelProto:
-    """The draft's plan graph: one `BranchDraft` node, nothing else."""
-    node = branch_draft_onnx.make_node(list(BRANCH_INPUTS), list(BRANCH_OUTPUTS), max_branches=max_branches)
+    """The draft's plan graph: the `BranchDraft` node (all eight outputs named, as TensorRT's
+    parser requires) and the Cast of its int32 mask to bool; nothing else."""
+    nodes = branch_draft_onnx.plan_nodes(list(BRANCH_INPUTS), list(BRANCH_OUTPUTS), max_branches)
     graph = helper.make_graph(
-        [node], "branch_draft",
+        nodes, "branch_draft",
         [_value("scores", TensorProto.FLOAT, ["k_plus_1", "vocab"]),
          _value("draft_tokens", TensorProto.INT64, ["k"]),
          _value("fanout", TensorProto.INT64, ["k_plus_1"]),

@@ -6,9 +6,17 @@ register the `tensorrt.plugin` definitions, parse, add one optimization profile 
 graph's named dynamic dimensions, build, write the plan.
 
 Precision: networks are strongly typed (TensorRT deprecated weak typing in 10.12 and
-removed it in 11), so fp16/bf16/int8 come from the ONNX itself (Cast / Q-DQ nodes).
-`strongly_typed: false` keeps the old builder flags for TensorRT 10.x builds of an fp32
-graph; TensorRT 11 refuses that with a clear error.
+removed it in 11, where every network is strongly typed and the STRONGLY_TYPED creation
+flag is deprecated, so it is set only on 10.x), so fp16/bf16/int8 come from the ONNX
+itself (Cast / Q-DQ nodes). `strongly_typed: false` keeps the old builder flags for
+TensorRT 10.x builds of an fp32 graph; TensorRT 11 refuses that with a clear error
+(`check_precision_support`, before any export). Flags are always looked up by name:
+their numbers changed in 11.
+
+Every plugin node is checked against its op's signature before the parser sees it
+(`check_plugin_node`): a node naming fewer or more outputs than the plugin declares
+fails TensorRT's parser (onnx-tensorrt >= 10.6), and an op without a TensorRT plugin
+(GatherKV) cannot be built at all.
 
 TensorRT is imported inside the functions that need it; the ONNX-side helpers here
 (`strip_plugin_functions`, `profile_shapes`, `TensorRTBuildOptions`) work without it.
@@ -21,11 +29,14 @@ from pathlib import Path
 
 import onnx
 
+from saguaro.plugins.branch_draft.signature import GATHER_SIGNATURE
+from saguaro.plugins.branch_draft.signature import SIGNATURE as BRANCH_DRAFT
+from saguaro.plugins.fused_verify.signature import SIGNATURE as FUSED_VERIFY
 from saguaro.plugins.tensorrt_plugins import register_plugins
-from saguaro.plugins.tensorrt_registry import import_tensorrt
+from saguaro.plugins.tensorrt_registry import import_tensorrt, tensorrt_version
 
 PLUGIN_DOMAIN = "saguaro"
-PLUGIN_ATTRIBUTES = ("plugin_namespace", "plugin_version")
+PLUGIN_SIGNATURES = {signature.name: signature for signature in (FUSED_VERIFY, BRANCH_DRAFT, GATHER_SIGNATURE)}
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 # weak-typing builder flag per precision (TensorRT <= 10.x only)
 _WEAK_TYPING_FLAGS = {"fp16": "FP16", "bf16": "BF16", "int8": "INT8"}
@@ -43,12 +54,23 @@ def iter_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
 
 
 def check_plugin_node(node: onnx.NodeProto) -> None:
-    """A plugin node must name its plugin the way TensorRT's parser looks it up."""
+    """A plugin node must name its plugin the way TensorRT's parser looks it up, and name
+    exactly the inputs and outputs the plugin declares (the parser counts non-empty names)."""
+    where = f"node {node.name or node.op_type!r} in domain {PLUGIN_DOMAIN!r}"
+    signature = PLUGIN_SIGNATURES.get(node.op_type)
+    if signature is None or not signature.tensorrt:
+        raise ValueError(f"{where}: {node.op_type} has no TensorRT plugin "
+                         f"(plugins: {', '.join(s.name for s in PLUGIN_SIGNATURES.values() if s.tensorrt)})")
     present = {attribute.name for attribute in node.attribute}
-    missing = [name for name in PLUGIN_ATTRIBUTES if name not in present]
+    missing = [name for name in signature.node_attributes if name not in present]
     if missing:
-        raise ValueError(f"node {node.name or node.op_type!r} in domain {PLUGIN_DOMAIN!r} lacks {missing}: "
-                         "TensorRT's parser could not map it to a plugin")
+        raise ValueError(f"{where} lacks {missing}: TensorRT's parser could not map it to a plugin")
+    for kind, names, specs in (("inputs", node.input, signature.inputs), ("outputs", node.output, signature.outputs)):
+        named = [name for name in names if name]
+        if len(named) != len(specs) or len(names) != len(specs):
+            raise ValueError(f"{where} names {len(named)} {kind}; the plugin has {len(specs)} "
+                             f"({', '.join(spec.name for spec in specs)}), and TensorRT's parser requires "
+                             "every one named")
 
 
 def strip_plugin_functions(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -129,11 +151,26 @@ def profile_shapes(model: onnx.ModelProto, dim_ranges: Mapping[str, DimRange]) -
     return shapes
 
 
+def always_strongly_typed(trt) -> bool:
+    """TensorRT 11 builds every network strongly typed and has no weak typing left."""
+    return tensorrt_version(trt.__version__) >= (11, 0)
+
+
 def network_flags(trt, options: TensorRTBuildOptions) -> int:
-    """Explicit batch is the only mode since TensorRT 10, so the one flag left is typing."""
-    if options.strongly_typed:
+    """Explicit batch is the only mode since TensorRT 10, so the one flag left is typing,
+    and only on 10.x (11 deprecates the flag: every network is strongly typed there)."""
+    if options.strongly_typed and not always_strongly_typed(trt):
         return 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
     return 0
+
+
+def check_precision_support(trt, options: TensorRTBuildOptions) -> None:
+    """A weakly typed build (fp16 from an fp32 graph) needs TensorRT 10.x."""
+    if not options.strongly_typed and always_strongly_typed(trt):
+        raise RuntimeError(
+            f"TensorRT {trt.__version__} has no weak typing, so it cannot build {options.precision} engines "
+            "from this exporter's fp32 graphs; use precision fp32, or TensorRT 10.x for fp16 "
+            "(pip install 'tensorrt>=10.8,<11')")
 
 
 def apply_precision(trt, builder_config, options: TensorRTBuildOptions) -> None:
@@ -141,6 +178,7 @@ def apply_precision(trt, builder_config, options: TensorRTBuildOptions) -> None:
     flag = _WEAK_TYPING_FLAGS.get(options.precision)
     if options.strongly_typed or flag is None:
         return
+    check_precision_support(trt, options)
     if not hasattr(trt.BuilderFlag, flag):
         raise RuntimeError(
             f"TensorRT {trt.__version__} has no weak typing (BuilderFlag.{flag}); export the ONNX "

@@ -6,12 +6,33 @@ plugin's `tensorrt_plugin.py` builds its `register()` with `registration` below;
 and engine loads call `tensorrt_plugins.register_plugins` first (deserialising an engine
 needs the creators too). TensorRT is imported only here, when a registration runs: it installs from
 NVIDIA's index only, and this project imports everywhere without it.
+
+Supported TensorRT: 10.8 (the first with `tensorrt.plugin` size tensors as used here) up
+to 11.x. What changed in 11 and is handled: weak typing is gone (`BuilderFlag.FP16` ...),
+and `NetworkDefinitionCreationFlag.STRONGLY_TYPED` is deprecated because every network is
+strongly typed (see `saguaro.compiler.tensorrt_builder`). 12 is refused until checked.
 """
 from __future__ import annotations
 
-TENSORRT_INSTALL_HINT = "pip install --extra-index-url https://pypi.nvidia.com tensorrt"
+TENSORRT_INSTALL_HINT = "pip install --extra-index-url https://pypi.nvidia.com 'tensorrt>=10.8,<12'"
+SUPPORTED_TENSORRT = ((10, 8), (12, 0))  # [lowest, first unsupported)
 # `tensorrt.plugin` registers every plugin creator under this version.
 QUICKLY_DEPLOYABLE_PLUGIN_VERSION = "1"
+# array-interface type strings of the element types plugin outputs use
+_TYPESTR = {"int64": "<i8", "int32": "<i4", "int8": "|i1", "float32": "<f4", "float16": "<f2"}
+
+
+def tensorrt_version(version: str) -> tuple[int, int]:
+    """(major, minor) of a TensorRT version string such as "10.8.0.43"."""
+    major, minor, *_ = (version.split(".") + ["0"])[:3]
+    return int(major), int(minor)
+
+
+def check_tensorrt_version(version: str) -> None:
+    lowest, unsupported = SUPPORTED_TENSORRT
+    if not lowest <= tensorrt_version(version) < unsupported:
+        raise ImportError(f"TensorRT {version} is not supported: this code is written for TensorRT "
+                          f">= {lowest[0]}.{lowest[1]}, < {unsupported[0]} ({TENSORRT_INSTALL_HINT})")
 
 
 def import_tensorrt():
@@ -23,7 +44,13 @@ def import_tensorrt():
         raise ImportError(
             "This needs TensorRT >= 10.8 with its Python plugin API (tensorrt.plugin), which is "
             f"installed from NVIDIA's index only: {TENSORRT_INSTALL_HINT} ({error})") from error
+    check_tensorrt_version(tensorrt.__version__)
     return tensorrt
+
+
+def tensorrt_dtype(trt, dtype: str):
+    """The `tensorrt.DataType` of a signature's element type name (`int64` -> `trt.int64`)."""
+    return getattr(trt, dtype)
 
 
 def check_plugin_version(plugin_version: str) -> None:
@@ -47,3 +74,17 @@ def registration(define_plugin, plugin_version: str):
             done = True
 
     return register
+
+
+class DeviceBuffer:
+    """A contiguous view of raw device memory for `torch.as_tensor`.
+
+    A data-dependent output's `tensorrt.plugin.Tensor` has wildcard extents until the op
+    has run, so its own array interface cannot describe it; once the extents are known,
+    this can.
+    """
+
+    def __init__(self, pointer: int, shape: tuple, dtype: str):
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": _TYPESTR[dtype],
+                                         "data": (pointer, False), "strides": None,
+                                         "version": 3, "stream": None}

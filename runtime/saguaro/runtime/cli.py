@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         options = decode_options(args, max_tokens=args.max_tokens)
         sampling = sampling_params(args)
         if args.engines is not None:
-            pipeline = Pipeline.load(engines=args.engines, threads=args.threads)
+            pipeline = Pipeline.load(engines=args.engines, threads=args.threads, options=options)
         else:
             pipeline = Pipeline.load(target=args.target, draft=args.draft, threads=args.threads)
         prompt_ids = pipeline.encode(args.prompt)

@@ -11,13 +11,18 @@ verification op on each, so only the outcomes `(accepted, bonus)` leave the engi
 one-sequence forms. Implementations: `engines/torch_engine.py` (eager reference),
 `engines/onnxruntime_engine.py` and `engines/tensorrt_engine.py` (compiled engines).
 
+A `RequestTarget` is the other kind of target: one that runs whole generations itself
+and asks a drafter for each round's draft (TensorRT-LLM's executor,
+`engines/tensorrt_llm_target.py`), so that its acceptance happens inside it; the pipeline
+hands it requests instead of driving `verify`.
+
 The loops exchange small result records: a `Draft` (K proposed tokens), a `VerifyResult`
 (the round's outcome) and a `SpeculationCache` (pre-speculated drafts keyed by outcome).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -138,6 +143,22 @@ class OneSequenceForms:
                draft_probs: torch.Tensor | None, uniforms: torch.Tensor, sampling: SamplingParams) -> VerifyResult:
         return self.verify_batch([VerifyStep(Step(cache, tokens, positions), draft_tokens, draft_probs,
                                              uniforms, sampling)])[0]
+
+
+@runtime_checkable
+class RequestTarget(Protocol):
+    """A target that decodes whole requests, drafting with `draft` (an `Engine`) through the
+    same speculator, pre-speculation and budget as the loops; returns a
+    `decoding.Generation`. Its decoding knobs are fixed once it starts."""
+
+    info: EngineInfo
+    tokenizer: object
+
+    def start(self, options, draft) -> None: ...
+
+    def check_options(self, options) -> None: ...
+
+    def generate(self, draft, request): ...  # a `decoding.Request`
 
 
 def causal_mask(past: int, count: int) -> torch.Tensor:

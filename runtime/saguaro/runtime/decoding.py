@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
-from saguaro.runtime.budget import bonus_rank
 from saguaro.runtime.contracts import SpeculationCache, VerifyResult, VerifyStep, draft_cache_capacity
 from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.rounds import take_speculation
 from saguaro.runtime.sampling import SamplingParams
 from saguaro.runtime.speculator import Speculator, empty_draft, lockstep
-from saguaro.runtime.stats import GenerationStats
+from saguaro.runtime.stats import GenerationStats, stopwatch
 from saguaro.runtime.verifier import Verifier
 
 OnTokens = Callable[[list[int]], None]
@@ -114,34 +113,20 @@ class Sequence:
         self.out.commit(drafted[:outcome.accepted].tolist() + [outcome.bonus])
         if self.k:
             self.proposal = None
-        if self.done or speculation is None:
-            return
-        self.stats.branches_drafted += len(speculation.drafts)
-        self.policy.observe(outcome.accepted, bonus_rank(speculation.scores, drafted, outcome.accepted, outcome.bonus))
-        self.policy.observe_timing(verify_s, speculation.seconds)
-        branch = speculation.lookup(outcome.accepted, outcome.bonus)
-        if branch is None:
-            self.stats.cache_misses += 1
-        else:
-            self.stats.cache_hits += 1
-            self.proposal = self.speculator.adopt(list(self.out.ids), speculation, branch)
+        if not self.done and speculation is not None:
+            self.proposal = take_speculation(self.speculator, self.policy, self.stats, self.out.ids, drafted,
+                                             speculation, outcome, verify_s)
 
     def finish(self) -> Generation:
         for side in (self.verifier.cache, self.speculator):
             if side is not None:
                 side.release()
-        out, stats = self.out, self.stats
-        stats.tokens, stats.total_s = len(out.new), time.perf_counter() - self.started
-        return Generation(out.ids[:len(out.ids) - len(out.new)], out.new, out.finish_reason or "cancelled",
-                          stats, self.request.sampling.seed)
+        return finish(self.out, self.stats, self.started, self.request.sampling.seed)
 
 
-@contextmanager
-def stopwatch():
-    """`with stopwatch() as elapsed:` ... `elapsed()` is the block's seconds."""
-    started, stopped = time.perf_counter(), []
-    yield lambda: (stopped[0] if stopped else time.perf_counter()) - started
-    stopped.append(time.perf_counter())
+def finish(out: Output, stats: GenerationStats, started: float, seed: int | None) -> Generation:
+    stats.tokens, stats.total_s = len(out.new), time.perf_counter() - started
+    return Generation(out.ids[:len(out.ids) - len(out.new)], out.new, out.finish_reason or "cancelled", stats, seed)
 
 
 class Decoder:
@@ -163,7 +148,7 @@ class Decoder:
             if prefills:
                 self.target.forward_batch(prefills)
         for sequence in sequences:
-            sequence.stats.prefill_s += prefilling()
+            sequence.stats.prefill_s += prefilling.seconds
         self.draft_misses(sequences)
         return sequences
 
@@ -176,9 +161,9 @@ class Decoder:
         with stopwatch() as waiting:
             speculations = dict(zip(map(id, speculating), pending.result()))
         for sequence, outcome in zip(batch, outcomes):
-            sequence.stats.verify_s += verifying()
-            sequence.stats.wait_s += waiting()
-            sequence.commit(outcome, speculations.get(id(sequence)), verifying())
+            sequence.stats.verify_s += verifying.seconds
+            sequence.stats.wait_s += waiting.seconds
+            sequence.commit(outcome, speculations.get(id(sequence)), verifying.seconds)
         self.draft_misses([s for s in batch if not s.done])
 
     def prespeculate(self, batch: list[Sequence]) -> list[SpeculationCache]:
@@ -187,8 +172,8 @@ class Decoder:
             speculations = lockstep(self.draft, [s.speculator.prespeculate(s.out.ids, s.proposal, s.policy.fanout())
                                                  for s in batch])
         for sequence, speculation in zip(batch, speculations):
-            speculation.seconds = elapsed()
-            sequence.stats.prespeculate_s += elapsed()
+            speculation.seconds = elapsed.seconds
+            sequence.stats.prespeculate_s += elapsed.seconds
         return speculations
 
     def draft_misses(self, batch: list[Sequence]) -> None:
@@ -201,7 +186,7 @@ class Decoder:
                                                                for s in needing]).result()
         for sequence, draft in zip(needing, drafts):
             sequence.proposal = draft
-            sequence.stats.draft_s += drafting()
+            sequence.stats.draft_s += drafting.seconds
 
     def generate(self, requests: Seq[Request]) -> list[Generation]:
         """Decode `requests` together until each has finished; one generation each."""

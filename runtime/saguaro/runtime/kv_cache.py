@@ -56,6 +56,17 @@ class KVPool:
         """`[layers, 2, kv_heads, capacity, head_dim]`: one slot's keys and values (a view)."""
         return self.buffer[:, :, slot]
 
+# TensorRT's setTensorAddress requires 256-byte aligned pointers; the views a cache binds
+# start at multiples of this from its buffer, whose own start the allocators align further
+# (torch's CUDA caching allocator: 512 bytes).
+VIEW_ALIGNMENT_BYTES = 256
+
+
+def aligned_length(count: int, element_size: int, alignment: int = VIEW_ALIGNMENT_BYTES) -> int:
+    """`count` elements rounded up so that the next one starts `alignment`-aligned."""
+    per_block = alignment // element_size
+    return -(-count // per_block) * per_block
+
 
 class PooledCache:
     """One sequence's cache: a slot of a `KVPool` and its live length."""
@@ -103,12 +114,15 @@ class SlotKVCache:
     bound as the graph's past input, and present is bound straight into the other slot,
     which then becomes live. Only a change of layout copies, once: truncation, a branch
     commit (a `GatherKV` graph when given, else torch) and fork. The TensorRT engine
-    keeps its slots on the GPU."""
+    keeps its slots on the GPU; each of the four (slot, keys/values) regions starts
+    `VIEW_ALIGNMENT_BYTES`-aligned, as TensorRT requires of every bound address (the
+    padding costs ONNX Runtime nothing)."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, gather_graph=None,
                  device: str = "cpu"):
         self.dims, self._capacity = (layers, kv_heads, head_dim), capacity
-        self._slots = torch.zeros(2, 2, layers * kv_heads * capacity * head_dim, device=device)  # [slot, k/v, flat]
+        region = aligned_length(layers * kv_heads * capacity * head_dim, torch.float32.itemsize)
+        self._slots = torch.zeros(2, 2, region, device=device)  # [slot, k/v, flat]
         self._live = 0
         self._gather_graph = gather_graph  # runs GatherKV; None: gather with torch
         self.length = 0

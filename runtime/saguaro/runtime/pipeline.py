@@ -2,7 +2,8 @@
 
 `Pipeline.load` opens either two Hugging Face checkpoints (torch engines) or a built
 engine directory; `Pipeline.generate` validates a request completely before any model
-runs, then dispatches to the decoding loop of its mode.
+runs, then dispatches to the decoding loop of its mode, or hands it to a target that
+decodes requests itself (`contracts.RequestTarget`: TensorRT-LLM).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from saguaro.runtime.checkpoint import check_pair_compatible
+from saguaro.runtime.contracts import RequestTarget
 from saguaro.runtime.decoding import Cancelled, Decoder, Generation, OnTokens, Request
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.torch_engine import TorchEngine
@@ -34,11 +36,14 @@ class Pipeline:
 
     @classmethod
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None,
-             engines: str | Path | None = None, threads: int | None = 1) -> "Pipeline":
+             engines: str | Path | None = None, threads: int | None = 1,
+             options: DecodeOptions | None = None) -> "Pipeline":
         """Checkpoint folders (`target` and `draft`) or a built engine folder (`engines`).
 
         `threads` sets torch's intra-op threads: the target and the draft each run on one
-        core, so a second thread each would oversubscribe a 2-core machine.
+        core, so a second thread each would oversubscribe a 2-core machine. `options`
+        starts a request-level target (TensorRT-LLM) with those decoding knobs now rather
+        than at the first request.
         """
         if threads:
             torch.set_num_threads(threads)
@@ -51,6 +56,8 @@ class Pipeline:
         check_pair_compatible(target_engine.info.vocab_size, draft_engine.info.vocab_size,
                               target_engine.info.tokenizer_fingerprint,
                               draft_engine.info.tokenizer_fingerprint)
+        if options is not None and isinstance(target_engine, RequestTarget):
+            target_engine.start(options, draft_engine)
         return cls(target_engine, draft_engine)
 
     @property
@@ -89,6 +96,11 @@ class Pipeline:
         if branches is not None and options.prespeculating and wanted > branches:
             raise RequestError(f"{wanted} branches exceed the engines' built maximum {branches} "
                                f"(lower --fanout or --budget)")
+        if isinstance(self.target, RequestTarget):
+            try:
+                self.target.check_options(options)
+            except ValueError as error:
+                raise RequestError(str(error)) from error
 
     def request(self, prompt_ids: list[int], options: DecodeOptions, sampling: SamplingParams,
                 on_tokens: OnTokens | None = None, cancelled: Cancelled = lambda: False) -> Request:
@@ -107,5 +119,8 @@ class Pipeline:
         return self.generate_batch([self.request(prompt_ids, options, sampling, on_tokens, cancelled)])[0]
 
     def generate_batch(self, requests: list[Request]) -> list[Generation]:
-        """Several requests decoded together, rounds batched across them."""
+        """Several requests decoded together, rounds batched across them (a target that
+        decodes requests itself gets them one by one)."""
+        if isinstance(self.target, RequestTarget):
+            return [self.target.generate(self.draft, request) for request in requests]
         return self.decoder.generate(requests)

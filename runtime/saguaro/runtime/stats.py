@@ -1,6 +1,8 @@
 """Per-generation statistics as plain data: what a round did and where the time went."""
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 
@@ -54,3 +56,26 @@ class GenerationStats:
         derived = ("mean_accepted", "acceptance_rate", "cache_hit_rate", "tokens_per_s",
                    "target_waited_for_draft_s")
         return {**asdict(self), **{name: getattr(self, name) for name in derived}}
+
+
+@dataclass
+class Elapsed:
+    seconds: float = 0.0
+
+
+@contextmanager
+def stopwatch():
+    """`with stopwatch() as elapsed:` ... afterwards `elapsed.seconds` is the block's time."""
+    elapsed, started = Elapsed(), time.perf_counter()
+    try:
+        yield elapsed
+    finally:
+        elapsed.seconds = time.perf_counter() - started
+
+
+@contextmanager
+def timed(stats: GenerationStats, field: str):
+    """Time a block, add it to `stats.<field>`, and hand the block's own time back."""
+    with stopwatch() as elapsed:
+        yield elapsed
+    setattr(stats, field, getattr(stats, field) + elapsed.seconds)

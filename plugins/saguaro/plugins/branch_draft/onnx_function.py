@@ -1,11 +1,14 @@
 """BranchDraft and the KV gather as ONNX local functions of standard ops.
 
-`saguaro::BranchDraft` (the ONNX Runtime implementation of `reference.plan_branches`):
-inputs scores `[K+1, V]` float, draft_tokens `[K]` int64, fanout `[K+1]` int64,
-context_length `[]` int64; outputs depth `[B]`, token `[B]`, rank `[B]` (int64),
-positions `[K, B]` int64, window_mask `[K*B, K + K*B]` bool, with B = sum(fanout).
-ONNX Runtime handles the data-dependent B natively (NonZero); for TensorRT the node's
-`max_branches` attribute bounds it (see `tensorrt_plugin.py`).
+`saguaro::BranchDraft` (the ONNX Runtime implementation of `reference.plan_branches`),
+with the inputs and outputs of `signature.SIGNATURE`: scores `[K+1, V]` float,
+draft_tokens `[K]` int64, fanout `[K+1]` int64, context_length `[]` int64 in; depth
+`[B]`, token `[B]`, rank `[B]`, positions `[K, B]` (int64), window_mask
+`[K*B, K + K*B]` int32, and the 0-d int32 extents B, K*B, K + K*B out, with
+B = sum(fanout). ONNX Runtime handles the data-dependent B natively (NonZero); for
+TensorRT the node's `max_branches` attribute bounds it (see `tensorrt_plugin.py`).
+`plan_nodes` is what a graph holds: the node, then a Cast of its int32 mask to the bool
+`window_mask` the engines use.
 
 `saguaro::GatherKV`: cache `[..., S, D]` (the export's `[layers, batch, heads, S, D]`),
 start `[]` int64, source_indices `[n]` int64 -> the compacted cache `[..., start + n, D]`:
@@ -21,19 +24,21 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from saguaro.plugins.branch_draft import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from saguaro.plugins.branch_draft.signature import GATHER_NAME, GATHER_SIGNATURE, SIGNATURE
 from saguaro.plugins.fused_verify.onnx_function import GraphBody
+from saguaro.plugins.signature import value_infos
 
-DOMAIN = PLUGIN_NAMESPACE
-INPUTS = ("scores", "draft_tokens", "fanout", "context_length")
-OUTPUTS = ("depth", "token", "rank", "positions", "window_mask")
-# TensorRT needs a static bound on B = sum(fanout) to size the data-dependent outputs.
+DOMAIN = SIGNATURE.namespace
+INPUTS = SIGNATURE.input_names
+OUTPUTS = SIGNATURE.output_names
+# What a graph around the node exposes: the plan, with the mask as bool.
+PLAN_OUTPUTS = ("depth", "token", "rank", "positions", "window_mask")
+SIZE_OUTPUTS = tuple(spec.name for spec in SIGNATURE.outputs if spec.size_tensor)
 DEFAULT_MAX_BRANCHES = 64
-NODE_ATTRIBUTES = ("plugin_namespace", "plugin_version", "max_branches")
+NODE_ATTRIBUTES = SIGNATURE.node_attributes
 
-GATHER_NAME = "GatherKV"
-GATHER_INPUTS = ("cache", "start", "source_indices")
-GATHER_OUTPUTS = ("compacted",)
+GATHER_INPUTS = GATHER_SIGNATURE.input_names
+GATHER_OUTPUTS = GATHER_SIGNATURE.output_names
 
 
 def arange(g: GraphBody, count: str) -> str:
@@ -101,6 +106,15 @@ def tree_mask(g: GraphBody, depth: str, draft_count: str) -> str:
     return g.op("Concat", draft_part, g.op("And", same_branch, earlier_step), axis=1)
 
 
+def extents(g: GraphBody, depth: str, draft_count: str) -> tuple[str, str, str]:
+    """The 0-d int32 extents B, K*B and K + K*B (TensorRT's size tensors)."""
+    branches = g.op("Shape", depth)
+    rows = g.op("Mul", draft_count, branches)
+    cols = g.op("Add", draft_count, rows)
+    return tuple(g.op("Cast", g.op("Squeeze", extent, g.const([0], np.int64)), to=TensorProto.INT32)
+                 for extent in (branches, rows, cols))
+
+
 def function_proto(opset: int = 17) -> onnx.FunctionProto:
     """`reference.plan_branches` as a local function in domain `saguaro`."""
     g = GraphBody("bd_", opset)
@@ -111,38 +125,44 @@ def function_proto(opset: int = 17) -> onnx.FunctionProto:
     g.op("Identity", token, outputs=["token"])
     g.op("Identity", rank, outputs=["rank"])
     g.op("Identity", branch_positions(g, depth, draft_count), outputs=["positions"])
-    g.op("Identity", tree_mask(g, depth, draft_count), outputs=["window_mask"])
-    return helper.make_function(DOMAIN, PLUGIN_NAME, list(INPUTS), list(OUTPUTS), g.nodes,
+    g.op("Cast", tree_mask(g, depth, draft_count), to=TensorProto.INT32, outputs=["window_mask"])
+    for name, extent in zip(SIZE_OUTPUTS, extents(g, depth, draft_count)):
+        g.op("Identity", extent, outputs=[name])
+    return helper.make_function(DOMAIN, SIGNATURE.name, list(INPUTS), list(OUTPUTS), g.nodes,
                                 [helper.make_opsetid("", opset)], attributes=list(NODE_ATTRIBUTES))
 
 
 def make_node(inputs: list[str], outputs: list[str], name: str | None = None,
               max_branches: int = DEFAULT_MAX_BRANCHES) -> onnx.NodeProto:
-    """The custom-domain node; `max_branches` bounds B for TensorRT's data-dependent shapes."""
-    if len(inputs) != len(INPUTS) or len(outputs) != len(OUTPUTS):
-        raise ValueError(f"{PLUGIN_NAME} takes inputs {INPUTS} and gives outputs {OUTPUTS}")
-    return helper.make_node(PLUGIN_NAME, inputs, outputs, name=name or PLUGIN_NAME, domain=DOMAIN,
-                            plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION,
-                            max_branches=max_branches)
+    """The custom-domain node, naming all eight outputs; `max_branches` bounds B for
+    TensorRT's data-dependent shapes."""
+    return SIGNATURE.make_node(inputs, outputs, name, max_branches=max_branches)
+
+
+def plan_nodes(inputs: list[str], outputs: list[str], max_branches: int = DEFAULT_MAX_BRANCHES,
+               name: str = SIGNATURE.name) -> list[onnx.NodeProto]:
+    """The node and the Cast of its int32 mask: `outputs` names the `PLAN_OUTPUTS`, the mask
+    among them bool; the extents get names of their own and stay inside the graph."""
+    if len(outputs) != len(PLAN_OUTPUTS):
+        raise ValueError(f"a branch plan gives {PLAN_OUTPUTS}, got {outputs}")
+    *plan, mask = outputs
+    node_outputs = [*plan, f"{mask}_int32", *(f"{name}_{extent}" for extent in SIZE_OUTPUTS)]
+    return [make_node(inputs, node_outputs, name, max_branches),
+            helper.make_node("Cast", [f"{mask}_int32"], [mask], name=f"{name}_mask_to_bool", to=TensorProto.BOOL)]
+
+
+# Symbolic shapes of the standalone model's inputs and outputs.
+STANDALONE_DIMS = {"scores": ["rows", "vocab"], "draft_tokens": ["drafts"], "fanout": ["rows"], "context_length": [],
+                   "depth": ["branches"], "token": ["branches"], "rank": ["branches"],
+                   "positions": ["drafts", "branches"], "window_mask": ["mask_rows", "mask_cols"]}
 
 
 def standalone_model(opset: int = 17) -> onnx.ModelProto:
-    """A model holding only the BranchDraft node and its function."""
-    int64 = TensorProto.INT64
-    inputs = [
-        helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["rows", "vocab"]),
-        helper.make_tensor_value_info("draft_tokens", int64, ["drafts"]),
-        helper.make_tensor_value_info("fanout", int64, ["rows"]),
-        helper.make_tensor_value_info("context_length", int64, []),
-    ]
-    outputs = [
-        helper.make_tensor_value_info("depth", int64, ["branches"]),
-        helper.make_tensor_value_info("token", int64, ["branches"]),
-        helper.make_tensor_value_info("rank", int64, ["branches"]),
-        helper.make_tensor_value_info("positions", int64, ["drafts", "branches"]),
-        helper.make_tensor_value_info("window_mask", TensorProto.BOOL, ["mask_rows", "mask_cols"]),
-    ]
-    graph = helper.make_graph([make_node(list(INPUTS), list(OUTPUTS))], PLUGIN_NAME, inputs, outputs)
+    """A model holding only the plan nodes (BranchDraft and its mask Cast) and the function."""
+    inputs = value_infos(SIGNATURE.inputs, STANDALONE_DIMS)
+    outputs = [helper.make_tensor_value_info(name, TensorProto.BOOL if name == "window_mask" else TensorProto.INT64,
+                                             STANDALONE_DIMS[name]) for name in PLAN_OUTPUTS]
+    graph = helper.make_graph(plan_nodes(list(INPUTS), list(PLAN_OUTPUTS)), SIGNATURE.name, inputs, outputs)
     return helper.make_model(graph, functions=[function_proto(opset)],
                              opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, 1)])
 
@@ -157,12 +177,11 @@ def gather_function_proto(opset: int = 17) -> onnx.FunctionProto:
     g.op("Concat", prefix, committed, axis=-2, outputs=list(GATHER_OUTPUTS))
     return helper.make_function(DOMAIN, GATHER_NAME, list(GATHER_INPUTS), list(GATHER_OUTPUTS), g.nodes,
                                 [helper.make_opsetid("", opset)],
-                                attributes=["plugin_namespace", "plugin_version"])
+                                attributes=list(GATHER_SIGNATURE.node_attributes))
 
 
 def make_gather_node(inputs: list[str], outputs: list[str], name: str | None = None) -> onnx.NodeProto:
-    return helper.make_node(GATHER_NAME, inputs, outputs, name=name or GATHER_NAME, domain=DOMAIN,
-                            plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+    return GATHER_SIGNATURE.make_node(inputs, outputs, name)
 
 
 def gather_standalone_model(opset: int = 17) -> onnx.ModelProto:

@@ -10,7 +10,8 @@
   destination may be another entry's source (sources lie at or after destinations).
 
 The launchers allocate outputs, so they need B = sum(fanout) on the host (one sync);
-the TensorRT plugin gets its buffers from TensorRT and calls `launch_*` directly.
+the TensorRT plugin gets its buffers from TensorRT and calls `launch_plan_outputs`, which
+fills the plugin's eight outputs (`signature.SIGNATURE`) in whatever buffers it is given.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import triton
 import triton.language as tl
 
 from saguaro.plugins.branch_draft.reference import BranchPlan
+from saguaro.plugins.branch_draft.signature import SIGNATURE, extent_values, output_shapes
 
 
 @triton.jit
@@ -89,7 +91,8 @@ def launch_candidate_keys(scores: torch.Tensor, draft_tokens: torch.Tensor, fano
 
 def launch_tree_layout(depth: torch.Tensor, context_length: torch.Tensor, num_drafts: int,
                        positions: torch.Tensor, window_mask: torch.Tensor) -> None:
-    """Fill positions `[K, B]` and the bool window mask `[K*B, K + K*B]` (K steps)."""
+    """Fill positions `[K, B]` and the window mask `[K*B, K + K*B]` (K steps; bool, or int32
+    as the TensorRT plugin gives it: a store casts to the buffer's type)."""
     num_branches = depth.shape[0]
     if num_drafts * num_branches == 0:
         return  # both outputs are empty
@@ -110,6 +113,22 @@ def launch_gather_kv(buffer: torch.Tensor, start: int, source_indices: torch.Ten
     grid = (leading, triton.cdiv(head_dim, block_d))
     gather_kv_kernel[grid](buffer, source_indices, start, count, capacity, head_dim,
                            BLOCK_N=triton.next_power_of_2(count), BLOCK_D=block_d)
+
+
+def launch_plan_outputs(scores: torch.Tensor, draft_tokens: torch.Tensor, fanout: torch.Tensor,
+                        context_length: torch.Tensor, max_branches: int, output) -> None:
+    """The BranchDraft plugin's body: every output of `SIGNATURE`, in its order, written to
+    the buffer `output(index, shape, dtype)` returns for it (TensorRT's memory on a GPU)."""
+    branches = int(fanout.sum())  # one host sync: TensorRT reads the size tensors back anyway
+    if branches > max_branches:
+        raise ValueError(f"{SIGNATURE.plugin_id}: sum(fanout) = {branches} exceeds max_branches = {max_branches}")
+    drafts = draft_tokens.shape[0]
+    shapes = output_shapes(drafts, branches)
+    out = {spec.name: output(index, shapes[spec.name], spec.dtype) for index, spec in enumerate(SIGNATURE.outputs)}
+    launch_candidate_keys(scores, draft_tokens, fanout, out["depth"], out["token"], out["rank"])
+    launch_tree_layout(out["depth"], context_length, drafts, out["positions"], out["window_mask"])
+    for name, value in extent_values(drafts, branches).items():
+        out[name].fill_(value)
 
 
 def candidate_keys(scores: torch.Tensor, draft_tokens: torch.Tensor, fanout: torch.Tensor):

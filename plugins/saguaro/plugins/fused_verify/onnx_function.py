@@ -17,13 +17,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from saguaro.plugins.fused_verify import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from saguaro.plugins.fused_verify.signature import SIGNATURE
+from saguaro.plugins.signature import value_infos
 
-DOMAIN = PLUGIN_NAMESPACE
-INPUTS = ("target_logits", "draft_tokens", "draft_probs", "uniforms", "temperature", "top_k", "top_p")
-OUTPUTS = ("accepted", "bonus")
+DOMAIN = SIGNATURE.namespace
+INPUTS = SIGNATURE.input_names
+OUTPUTS = SIGNATURE.output_names
 # Declared so a node may carry them; the body ignores them (they are for TensorRT's parser).
-NODE_ATTRIBUTES = ("plugin_namespace", "plugin_version")
+NODE_ATTRIBUTES = SIGNATURE.node_attributes
 
 
 class GraphBody:
@@ -191,31 +192,23 @@ def function_proto(opset: int = 17) -> onnx.FunctionProto:
     g.op("If", is_greedy, outputs=list(OUTPUTS),
          then_branch=greedy_branch(opset, logits, draft_count),
          else_branch=sampling_branch(opset, logits, draft_count))
-    return helper.make_function(DOMAIN, PLUGIN_NAME, list(INPUTS), list(OUTPUTS), g.nodes,
+    return helper.make_function(DOMAIN, SIGNATURE.name, list(INPUTS), list(OUTPUTS), g.nodes,
                                 [helper.make_opsetid("", opset)], attributes=list(NODE_ATTRIBUTES))
 
 
 def make_node(inputs: list[str], outputs: list[str], name: str | None = None) -> onnx.NodeProto:
     """The custom-domain node; `plugin_namespace` / `plugin_version` let TensorRT find the plugin."""
-    if len(inputs) != len(INPUTS) or len(outputs) != len(OUTPUTS):
-        raise ValueError(f"{PLUGIN_NAME} takes inputs {INPUTS} and gives outputs {OUTPUTS}")
-    return helper.make_node(PLUGIN_NAME, inputs, outputs, name=name or PLUGIN_NAME, domain=DOMAIN,
-                            plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+    return SIGNATURE.make_node(inputs, outputs, name)
+
+
+# Symbolic shapes of the standalone model's inputs and outputs.
+STANDALONE_DIMS = {"target_logits": ["rows", "vocab"], "draft_tokens": ["drafts"], "draft_probs": ["drafts", "vocab"],
+                   "uniforms": ["rows"], "temperature": [], "top_k": [], "top_p": [], "accepted": [], "bonus": []}
 
 
 def standalone_model(opset: int = 17) -> onnx.ModelProto:
     """A model holding only the node and its function: the op runs on its own in ONNX Runtime."""
-    float_, int64 = TensorProto.FLOAT, TensorProto.INT64
-    inputs = [
-        helper.make_tensor_value_info("target_logits", float_, ["rows", "vocab"]),
-        helper.make_tensor_value_info("draft_tokens", int64, ["drafts"]),
-        helper.make_tensor_value_info("draft_probs", float_, ["drafts", "vocab"]),
-        helper.make_tensor_value_info("uniforms", float_, ["rows"]),
-        helper.make_tensor_value_info("temperature", float_, []),
-        helper.make_tensor_value_info("top_k", int64, []),
-        helper.make_tensor_value_info("top_p", float_, []),
-    ]
-    outputs = [helper.make_tensor_value_info(name, int64, []) for name in OUTPUTS]
-    graph = helper.make_graph([make_node(list(INPUTS), list(OUTPUTS))], PLUGIN_NAME, inputs, outputs)
+    inputs, outputs = (value_infos(specs, STANDALONE_DIMS) for specs in (SIGNATURE.inputs, SIGNATURE.outputs))
+    graph = helper.make_graph([make_node(list(INPUTS), list(OUTPUTS))], SIGNATURE.name, inputs, outputs)
     return helper.make_model(graph, functions=[function_proto(opset)],
                              opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, 1)])

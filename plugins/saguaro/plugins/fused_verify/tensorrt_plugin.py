@@ -3,8 +3,9 @@
 TensorRT's ONNX parser maps a `saguaro::FusedVerify` node whose function body was
 stripped (`saguaro.compiler.tensorrt_builder`) to the plugin registered here: op type = plugin
 name, attribute `plugin_namespace` = namespace, `plugin_version` = version (quickly
-deployable plugins always register version "1"). The computation is the OpenAI Triton
-kernels of `triton_kernel.py`, launched on the stream TensorRT hands over.
+deployable plugins always register version "1"). Inputs and outputs are
+`signature.SIGNATURE`'s; the computation is the OpenAI Triton kernels of
+`triton_kernel.py`, launched on the stream TensorRT hands over.
 
 TensorRT is imported only inside `register()` (`saguaro.plugins.tensorrt_registry`):
 this module imports everywhere, and using it without TensorRT fails with an error that
@@ -15,10 +16,11 @@ the decorated functions as classes (TensorDesc, Tensor), not strings.
 """
 from typing import Tuple
 
-from saguaro.plugins.fused_verify import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
-from saguaro.plugins.tensorrt_registry import registration
+from saguaro.plugins.fused_verify.signature import SIGNATURE
+from saguaro.plugins.tensorrt_registry import registration, tensorrt_dtype
 
-PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PLUGIN_NAME}"
+PLUGIN_ID = SIGNATURE.plugin_id
+NUM_OUTPUTS = len(SIGNATURE.outputs)
 
 
 def register() -> None:
@@ -27,25 +29,25 @@ def register() -> None:
 
 
 def _define_plugin(trt, trtp) -> None:
-    float_types = (trt.float32, trt.float16)
-
     @trtp.register(PLUGIN_ID)
     def fused_verify_shapes(
         target_logits: trtp.TensorDesc, draft_tokens: trtp.TensorDesc, draft_probs: trtp.TensorDesc,
         uniforms: trtp.TensorDesc, temperature: trtp.TensorDesc, top_k: trtp.TensorDesc,
         top_p: trtp.TensorDesc,
-    ) -> Tuple[trtp.TensorDesc, trtp.TensorDesc]:
+    ) -> Tuple[(trtp.TensorDesc,) * NUM_OUTPUTS]:
         """Two 0-d int64 outputs, accepted and bonus, whatever K and V are."""
-        for name, desc in (("target_logits", target_logits), ("draft_probs", draft_probs)):
-            if desc.dtype not in float_types:
-                raise TypeError(f"{PLUGIN_ID}: {name} must be float32 or float16, got {desc.dtype}")
-        return trtp.from_shape_expr((), dtype=trt.int64), trtp.from_shape_expr((), dtype=trt.int64)
+        given = (target_logits, draft_tokens, draft_probs, uniforms, temperature, top_k, top_p)
+        for spec, desc in zip(SIGNATURE.inputs, given):
+            allowed = [tensorrt_dtype(trt, dtype) for dtype in spec.dtypes]
+            if desc.dtype not in allowed:
+                raise TypeError(f"{PLUGIN_ID}: {spec.name} must be {' or '.join(spec.dtypes)}, got {desc.dtype}")
+        return tuple(trtp.from_shape_expr((), dtype=tensorrt_dtype(trt, spec.dtype)) for spec in SIGNATURE.outputs)
 
     @trtp.impl(PLUGIN_ID)
     def fused_verify_launch(
         target_logits: trtp.Tensor, draft_tokens: trtp.Tensor, draft_probs: trtp.Tensor,
         uniforms: trtp.Tensor, temperature: trtp.Tensor, top_k: trtp.Tensor, top_p: trtp.Tensor,
-        outputs: Tuple[trtp.Tensor, trtp.Tensor], stream: int,
+        outputs: Tuple[(trtp.Tensor,) * NUM_OUTPUTS], stream: int,
     ) -> None:
         import torch
 
@@ -57,4 +59,4 @@ def _define_plugin(trt, trtp) -> None:
             launch(*tensors)
 
 
-_register = registration(_define_plugin, PLUGIN_VERSION)
+_register = registration(_define_plugin, SIGNATURE.version)

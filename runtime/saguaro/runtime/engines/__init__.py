@@ -16,7 +16,9 @@ from saguaro.runtime.checkpoint import load_tokenizer, tokenizer_fingerprint
 from saguaro.runtime.engines.manifest import ManifestError, validate_engine_dir
 
 BACKEND_MODULES = {"onnxruntime": "saguaro.runtime.engines.onnxruntime_engine",
-                   "tensorrt": "saguaro.runtime.engines.tensorrt_engine"}
+                   "tensorrt": "saguaro.runtime.engines.tensorrt_engine",
+                   # the target in TensorRT-LLM, the draft in one of the two above
+                   "tensorrt_llm": "saguaro.runtime.engines.tensorrt_llm_target"}
 
 
 def load_engine_tokenizer(engine_dir: Path, manifest: dict):
@@ -28,6 +30,13 @@ def load_engine_tokenizer(engine_dir: Path, manifest: dict):
     return tokenizer
 
 
+def backend_module(engine_dir: Path, manifest: dict):
+    backend = manifest["backend"]
+    if backend not in BACKEND_MODULES:
+        raise ManifestError(f"{engine_dir}: unknown backend {backend!r} (known: {', '.join(BACKEND_MODULES)})")
+    return importlib.import_module(BACKEND_MODULES[backend])
+
+
 def load_engine_pair(engine_dir: str | Path, target_threads: int | None = None,
                      draft_threads: int | None = None):
     """`(target_engine, draft_engine)` of a built engine directory, validated first.
@@ -35,10 +44,16 @@ def load_engine_pair(engine_dir: str | Path, target_threads: int | None = None,
     Thread counts default to the build config's `session.threads`."""
     engine_dir = Path(engine_dir)
     manifest = validate_engine_dir(engine_dir)
-    backend = manifest["backend"]
-    if backend not in BACKEND_MODULES:
-        raise ManifestError(f"{engine_dir}: unknown backend {backend!r} (known: {', '.join(BACKEND_MODULES)})")
-    module = importlib.import_module(BACKEND_MODULES[backend])
+    module = backend_module(engine_dir, manifest)
     tokenizer = load_engine_tokenizer(engine_dir, manifest)
     return (module.open_engine(engine_dir, "target", manifest, tokenizer, target_threads),
             module.open_engine(engine_dir, "draft", manifest, tokenizer, draft_threads))
+
+
+def load_draft_engine(engine_dir: str | Path, threads: int | None = None):
+    """The draft engine alone of a built engine directory, validated first (what a drafter
+    running in another process loads)."""
+    engine_dir = Path(engine_dir)
+    manifest = validate_engine_dir(engine_dir)
+    tokenizer = load_engine_tokenizer(engine_dir, manifest)
+    return backend_module(engine_dir, manifest).open_engine(engine_dir, "draft", manifest, tokenizer, threads)
