@@ -27,3 +27,13 @@ def tiny_engines(tiny_pair: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     from checkpoints import build_engines_cli
 
     return build_engines_cli(tiny_pair, tmp_path_factory.mktemp("engines") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def served_engines(tiny_pair: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Engines of the tiny pair with a 16384-token context, so one generation lasts long
+    enough for concurrency, cancellation and shutdown to be seen (the servers' tests)."""
+    from checkpoints import build_engines_cli, with_longer_context
+
+    long_pair = with_longer_context(tiny_pair, tmp_path_factory.mktemp("long_pair"), 16384)
+    return build_engines_cli(long_pair, tmp_path_factory.mktemp("engines") / "long", "--max-context", "16384")

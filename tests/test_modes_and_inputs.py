@@ -69,6 +69,18 @@ def test_speculative_decoding_and_ssd_without_prespeculation_match_the_textbook_
     assert ssd_off.stats.accepted_histogram == sd.stats.accepted_histogram
 
 
+def test_an_all_zero_fanout_means_no_prespeculation(tiny_engines):
+    """A fan-out placing no branch is speculative decoding, on every engine (ONNX Runtime
+    used to fail on the empty branch tensors)."""
+    assert not DecodeOptions(fanout=(0,)).prespeculating and DecodeOptions(fanout=(1, 0, 0, 0, 0)).prespeculating
+    engines = Pipeline.load(engines=tiny_engines)
+    prompt = engines.encode("The with statement")
+    sd = engines.generate(prompt, DecodeOptions(mode="speculative", max_tokens=24, eos_token_id=-1), SamplingParams())
+    for fanout in ((0,), (0, 0, 0, 0, 0)):
+        ssd = engines.generate(prompt, DecodeOptions(fanout=fanout, max_tokens=24, eos_token_id=-1), SamplingParams())
+        assert ssd.output_ids == sd.output_ids and ssd.stats.cache_hits == ssd.stats.cache_misses == 0
+
+
 @pytest.mark.parametrize("branching", [dict(fanout=(2,)), dict(budget="auto"), dict(fanout=(3,), saguaro_factor=0.5)])
 def test_ssd_samples_exactly_what_speculative_decoding_samples(tiny_pair, branching):
     """Randomness is keyed by position, so a hit branch holds the very draft a miss would

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import queue
-import re
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -22,25 +20,34 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from saguaro.runtime.detokenizer import prefix_window, text_delta
-from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.runtime.sampling import SamplingParams
-from saguaro.serving.client import MODEL, CompletionError, complete, ensemble_inputs
+from saguaro.serving.client import MODEL, CompletionError, complete, ensemble_inputs, stream_responses
+from saguaro.serving.interface import IGNORED, NEUTRAL_ONLY
 from saguaro.serving.launch import Ports, parse_args, serve
-from saguaro.serving.model_repo import values_from_args
-from checkpoints import build_engines_cli, with_longer_context
+from saguaro.serving.model_repo import DEFAULT_MAX_CONCURRENCY, values_from_args
+from served import metric, one, raw, reference
+from served import metrics as metrics_at
 
 pytestmark = pytest.mark.server
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["the quick", "café 日本", "Ωmega", "lazy dog", "naïve 🌵", "over the", "brown fox", "jumps"]
-
-
-@pytest.fixture(scope="session")
-def served_engines(tiny_pair, tmp_path_factory):
-    """The tiny pair with a 4096-token context, so one generation lasts long enough for
-    concurrency and cancellation to be seen."""
-    long_pair = with_longer_context(tiny_pair, tmp_path_factory.mktemp("long_pair"), 4096)
-    return build_engines_cli(long_pair, tmp_path_factory.mktemp("engines") / "long", "--max-context", "4096")
+# tensorrtllm_backend's ensemble inputs (inflight_batcher_llm v0.19, plus the names its
+# TensorRT-LLM copy changed or added), with their Triton datatypes.
+TENSORRTLLM_INPUTS = {
+    "text_input": "BYTES", "decoder_text_input": "BYTES", "max_tokens": "INT32", "num_return_sequences": "INT32",
+    "bad_words": "BYTES", "stop_words": "BYTES", "exclude_input_in_output": "BOOL", "end_id": "INT32",
+    "pad_id": "INT32", "top_k": "INT32", "top_p": "FP32", "temperature": "FP32", "length_penalty": "FP32",
+    "repetition_penalty": "FP32", "min_length": "INT32", "presence_penalty": "FP32", "frequency_penalty": "FP32",
+    "random_seed": "UINT64", "return_log_probs": "BOOL", "return_context_logits": "BOOL",
+    "return_generation_logits": "BOOL", "return_perf_metrics": "BOOL", "beam_width": "INT32", "stream": "BOOL",
+    "prompt_embedding_table": "FP16", "prompt_table_extra_id": "UINT64", "prompt_vocab_size": "INT32",
+    "embedding_bias_words": "BYTES", "embedding_bias_weights": "FP32", "lora_task_id": "UINT64",
+    "lora_weights": "FP16", "lora_config": "INT32", "guided_decoding_guide_type": "BYTES",
+    "guided_decoding_guide": "BYTES",
+    "min_tokens": "INT32", "seed": "UINT64", "return_num_input_tokens": "BOOL", "return_num_output_tokens": "BOOL"}
+SSD_INPUTS = {"decoding_mode": "BYTES", "num_draft_tokens": "INT32", "fanout": "INT32", "budget": "INT32",
+              "saguaro_factor": "FP32"}
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +62,9 @@ def server(served_engines, tmp_path_factory):
     try:
         yield triton
     finally:
-        triton.stop()
+        stopped = triton.stop()
     assert triton.stopped_cleanly, f"crashed, or a request was left in flight:\n{triton.log_tail()}"
+    assert stopped.drained and stopped.drain.in_flight == 0, "a generation outlived its test"
     assert not triton.shm_regions(), "the stopped server left shared-memory regions"
 
 
@@ -66,25 +74,8 @@ def client(server):
         yield grpc_client
 
 
-def reference(pipeline, prompt: str, max_tokens: int, mode: str = "ssd", end_id: int | None = None,
-              sampling: SamplingParams = SamplingParams()):
-    chunks = []
-    options = DecodeOptions(mode=mode, max_tokens=max_tokens, eos_token_id=end_id)
-    generation = pipeline.generate(pipeline.encode(prompt), options, sampling, on_tokens=chunks.append)
-    return generation, chunks
-
-
 def metrics(server) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=5) as reply:
-        return reply.read().decode()
-
-
-def metric(text: str, name: str, **labels) -> float:
-    for line in text.splitlines():
-        match = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
-        if match and all(f'{key}="{value}"' in match.group(1) for key, value in labels.items()):
-            return float(match.group(2))
-    return 0.0
+    return metrics_at(server.ports.metrics)
 
 
 def settled_metrics(server, done, timeout_s: float = 10.0) -> str:
@@ -117,15 +108,15 @@ def test_server_metadata_and_model_configs_are_what_clients_expect(server, clien
         assert client.is_model_ready(name)
     metadata = client.get_model_metadata(MODEL)
     inputs = {spec.name: spec.datatype for spec in metadata.inputs}
-    assert inputs == {"text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "temperature": "FP32",
-                      "top_k": "INT32", "top_p": "FP32", "seed": "UINT64", "end_id": "INT32",
-                      "bad_words": "BYTES", "stop_words": "BYTES", "decoding_mode": "BYTES",
-                      "num_draft_tokens": "INT32", "fanout": "INT32", "budget": "INT32", "saguaro_factor": "FP32"}
+    assert inputs == {**TENSORRTLLM_INPUTS, **SSD_INPUTS}  # every tensorrtllm_backend input, and the SSD knobs
+    assert set(NEUTRAL_ONLY) | set(IGNORED) <= set(inputs)
     assert {spec.name for spec in metadata.outputs} == {
-        "text_output", "finish_reason", "accepted_histogram", "cache_hits", "cache_misses", "tokens_per_s", "sampling_seed"}
+        "text_output", "finish_reason", "accepted_histogram", "cache_hits", "cache_misses", "tokens_per_s",
+        "num_input_tokens", "num_output_tokens", "sampling_seed"}
+    config = client.get_model_config(MODEL).config
+    assert config.platform == "ensemble" and all(spec.optional for spec in config.input)  # see config.pbtxt
     ssd = client.get_model_config("ssd").config
     assert ssd.model_transaction_policy.decoupled and ssd.backend == "python"
-    assert client.get_model_config(MODEL).config.platform == "ensemble"
     parameters = {key: value.string_value for key, value in ssd.parameters.items()}
     assert Path(parameters["engines_dir"], "manifest.json").is_file()
     assert parameters["default_decoding_mode"] == "ssd" and parameters["target_dir"] == ""
@@ -153,7 +144,10 @@ def test_seeded_sampling_reproduces_the_runtimes_text(pipeline, client):
     assert completion.text == pipeline.decode(expected.output_ids)
     other_seed = complete(client, ensemble_inputs(PROMPTS[4], 40, True, end_id=-1, temperature=0.8, seed=1))
     assert other_seed.text != completion.text  # the seed reached the sampler
-    assert completion.seed == 2**40 + 7 and other_seed.seed == 1
+    older_name = complete(client, ensemble_inputs(PROMPTS[4], 40, False, end_id=-1, temperature=0.8, top_k=50,
+                                                  top_p=0.95, random_seed=2**40 + 7))
+    assert older_name.text == completion.text  # tensorrtllm_backend v0.19 calls it random_seed
+    assert completion.seed == older_name.seed == 2**40 + 7 and other_seed.seed == 1
 
 
 def test_unseeded_requests_get_fresh_seeds_that_replay(pipeline, client):
@@ -222,6 +216,140 @@ def most_at_once(intervals: list[tuple[float, float]]) -> int:
     return best
 
 
+TEXT = one("text_input", "the quick", "BYTES")
+MAX_TOKENS = one("max_tokens", 24, "INT32")
+STREAM = one("stream", True, "BOOL")
+NEVER_END = one("end_id", -1, "INT32")
+# A value of each input that changes nothing, as a tensorrtllm_backend client may send it.
+NEUTRAL_VALUES = [
+    one("num_return_sequences", 1, "INT32"), one("beam_width", 1, "INT32"), one("repetition_penalty", 1.0, "FP32"),
+    one("presence_penalty", 0.0, "FP32"), one("frequency_penalty", 0.0, "FP32"),
+    ("embedding_bias_words", np.array([[b""]], object), "BYTES"),
+    ("embedding_bias_weights", np.zeros((1, 0), np.float32), "FP32"), one("guided_decoding_guide_type", "", "BYTES"),
+    one("guided_decoding_guide", "", "BYTES"), one("return_log_probs", False, "BOOL"),
+    one("return_context_logits", False, "BOOL"), one("return_generation_logits", False, "BOOL"),
+    one("decoder_text_input", "", "BYTES"), ("prompt_embedding_table", np.zeros((1, 0, 0), np.float16), "FP16"),
+    one("prompt_vocab_size", 0, "INT32"), one("prompt_table_extra_id", 0, "UINT64"),
+    ("lora_weights", np.zeros((1, 0, 0), np.float16), "FP16"), ("lora_config", np.zeros((1, 0, 3), np.int32), "INT32"),
+    one("pad_id", 0, "INT32"), one("length_penalty", 0.5, "FP32"), one("return_perf_metrics", True, "BOOL"),
+    one("return_num_input_tokens", True, "BOOL"), one("return_num_output_tokens", True, "BOOL"),
+    one("exclude_input_in_output", True, "BOOL"), one("min_length", 1, "INT32"),
+    ("bad_words", np.array([[b""]], object), "BYTES"), ("stop_words", np.array([[b""]], object), "BYTES")]
+# A value of each input that SSD cannot honour.
+UNHONOURED_VALUES = [
+    one("num_return_sequences", 2, "INT32"), one("beam_width", 4, "INT32"), one("repetition_penalty", 1.3, "FP32"),
+    one("presence_penalty", 0.5, "FP32"), one("frequency_penalty", 0.5, "FP32"),
+    one("embedding_bias_words", "fox", "BYTES"), ("embedding_bias_weights", np.ones((1, 1), np.float32), "FP32"),
+    one("guided_decoding_guide_type", "json", "BYTES"), one("guided_decoding_guide", "{}", "BYTES"),
+    one("return_log_probs", True, "BOOL"), one("return_context_logits", True, "BOOL"),
+    one("return_generation_logits", True, "BOOL"), one("decoder_text_input", "hello", "BYTES"),
+    ("prompt_embedding_table", np.ones((1, 2, 2), np.float16), "FP16"), one("prompt_vocab_size", 2, "INT32"),
+    one("prompt_table_extra_id", 3, "UINT64"), one("lora_task_id", 0, "UINT64"),
+    ("lora_weights", np.ones((1, 1, 4), np.float16), "FP16"), ("lora_config", np.ones((1, 1, 3), np.int32), "INT32")]
+
+BAD_REQUESTS = {
+    "no inputs at all": (raw(), ["text_input", "max_tokens"]),
+    "only stream": (raw(STREAM), ["text_input", "max_tokens"]),
+    "stream and max_tokens, no text_input": (raw(STREAM, MAX_TOKENS), ["text_input"]),
+    "text_input and stream, no max_tokens": (raw(TEXT, STREAM), ["max_tokens"]),
+    "temperature and top_k only": (raw(one("temperature", 0.5, "FP32"), one("top_k", 3, "INT32")),
+                                   ["text_input", "max_tokens"]),
+    "max_tokens as FP32": (raw(TEXT, one("max_tokens", 4, "FP32")), ["max_tokens"]),
+    "text_input of shape [1, 2]": (raw(("text_input", np.array([[b"a", b"b"]], dtype=object), "BYTES"),
+                                       MAX_TOKENS), ["text_input"]),
+    "empty text": (ensemble_inputs("", 4, True), ["text_input"]),
+    "a 200 KB prompt": (ensemble_inputs("the quick brown fox " * 10_000, 4, True), ["text_input"]),
+    "max_tokens 0": (ensemble_inputs("the quick", 0, True), ["max_tokens"]),
+    "max_tokens beyond the context": (ensemble_inputs("the quick", 100_000, True), ["max_tokens"]),
+    "unknown decoding mode": (ensemble_inputs("the quick", 4, True, decoding_mode="fast"), ["decoding_mode"]),
+    "negative temperature": (ensemble_inputs("the quick", 4, True, temperature=-0.5), ["temperature"]),
+    "bad words": (ensemble_inputs("the quick", 4, True, bad_words=["fox"]), ["bad_words"]),
+    "fanout beyond the engines' branches": (ensemble_inputs("the quick", 4, True, fanout=[9]), ["fanout"]),
+    "num_draft_tokens beyond the engines": (ensemble_inputs("the quick", 4, True, num_draft_tokens=20),
+                                            ["num_draft_tokens"]),
+    "min_length with the model's end token": (ensemble_inputs("the quick", 8, True, min_length=8), ["min_length"]),
+    "seed and random_seed disagreeing": (ensemble_inputs("the quick", 4, True, seed=1, random_seed=2),
+                                         ["seed", "random_seed"]),
+    **{f"{name} that SSD cannot honour": (raw(TEXT, MAX_TOKENS, (name, array, datatype)), [name])
+       for name, array, datatype in UNHONOURED_VALUES},
+}
+PROMPT_IDS = one("input_ids", 5, "INT32")
+DIRECT_BAD_REQUESTS = {  # to the ssd model itself, in its own input names
+    "no input_ids": (raw(one("max_tokens", 4, "INT32")), ["input_ids"]),
+    "neither input_ids nor max_tokens": (raw(STREAM), ["input_ids", "max_tokens"]),
+    "token ids beyond the vocabulary": (raw(("input_ids", np.array([[1, 99_999]], np.int32), "INT32"),
+                                            MAX_TOKENS), ["input_ids"]),
+    "stop_words_list of shape [1, 3, 2]": (raw(PROMPT_IDS, MAX_TOKENS,
+                                               ("stop_words_list", np.zeros((1, 3, 2), np.int32), "INT32")),
+                                           ["stop_words_list"]),
+    "a drain request without the server's token": (raw(one("control", "drain", "BYTES"),
+                                                       one("control_token", "guess", "BYTES")), ["control_token"]),
+}
+
+
+def test_bad_requests_get_errors_naming_the_input_and_the_server_keeps_serving(server, client):
+    for model, table in ((MODEL, BAD_REQUESTS), ("ssd", DIRECT_BAD_REQUESTS)):
+        for case, (inputs, named) in table.items():
+            with pytest.raises(CompletionError) as refused:
+                complete(client, inputs, timeout_s=30, model=model)
+            message = str(refused.value)
+            assert all(f"'{name}'" in message for name in named), f"{case}: {message}"
+            assert "--" not in message, f"{case} speaks in command-line flags: {message}"
+    assert complete(client, ensemble_inputs("the quick", 8, True, end_id=-1)).finish_reason == "length"
+    settled_metrics(server, lambda text: metric(text, "ssd_requests_in_flight") == 0)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_every_tensorrtllm_backend_input_at_a_neutral_value_changes_nothing(pipeline, client, stream):
+    expected, _ = reference(pipeline, "the quick", 24, end_id=-1)
+    completion = complete(client, raw(TEXT, MAX_TOKENS, one("stream", stream, "BOOL"), NEVER_END, *NEUTRAL_VALUES))
+    assert completion.text == pipeline.decode(expected.output_ids) and completion.finish_reason == "length"
+    assert (completion.num_input_tokens, completion.num_output_tokens) == (len(pipeline.encode("the quick")), 24)
+
+
+def test_genai_perfs_request_is_served(pipeline, client):
+    """genai-perf 0.0.16 `--backend tensorrtllm --streaming --output-tokens-mean 32
+    --output-tokens-mean-deterministic --extra-inputs end_id:-1` sends exactly these."""
+    expected, _ = reference(pipeline, PROMPTS[5], 32, end_id=-1)
+    completion = complete(client, raw(one("text_input", PROMPTS[5], "BYTES"), one("max_tokens", 32, "INT32"),
+                                      one("exclude_input_in_output", True, "BOOL"), STREAM,
+                                      one("min_length", 32, "INT32"), NEVER_END))
+    assert completion.text == pipeline.decode(expected.output_ids) and completion.num_output_tokens == 32
+    assert len(completion.pieces) == expected.stats.rounds + 1  # text deltas, as genai-perf counts them
+
+
+def test_exclude_input_in_output_false_repeats_the_prompt(pipeline, client):
+    prompt_ids = pipeline.encode(PROMPTS[3])
+    generated = reference(pipeline, PROMPTS[3], 16, end_id=-1)[0].output_ids
+    echoed = complete(client, ensemble_inputs(PROMPTS[3], 16, False, end_id=-1, exclude_input_in_output=False))
+    assert echoed.text == pipeline.decode(prompt_ids + generated) and echoed.text.startswith(PROMPTS[3])
+    assert echoed.num_output_tokens == 16
+    streamed = complete(client, ensemble_inputs(PROMPTS[3], 16, True, end_id=-1, exclude_input_in_output=False))
+    assert streamed.text == pipeline.decode(generated)  # like TensorRT-LLM, a stream never repeats the prompt
+
+
+def test_an_all_zero_fanout_means_no_prespeculation(pipeline, client):
+    expected, _ = reference(pipeline, PROMPTS[0], 32, mode="speculative", end_id=-1)
+    for fanout in ([0], [0, 0, 0, 0, 0]):
+        completion = complete(client, ensemble_inputs(PROMPTS[0], 32, True, end_id=-1, fanout=fanout))
+        assert completion.text == pipeline.decode(expected.output_ids)
+        assert completion.accepted_histogram == expected.stats.accepted_histogram
+        assert (completion.cache_hits, completion.cache_misses) == (0, 0)
+
+
+# --- cancellation and clients that go away ----------------------------------------------
+
+def stopped_and_idle(server, before: str, count: int = 1) -> str:
+    """Metrics once `count` more generations ended cancelled and none is in flight."""
+    cancelled = metric(before, "ssd_requests_total", finish_reason="cancelled") + count
+    return settled_metrics(server, lambda text: metric(text, "ssd_requests_total", finish_reason="cancelled")
+                           >= cancelled and metric(text, "ssd_requests_in_flight") == 0)
+
+
+def generated_since(before: str, after: str) -> float:
+    return metric(after, "ssd_generated_tokens_total") - metric(before, "ssd_generated_tokens_total")
+
+
 def test_cancelling_a_stream_stops_its_generation_and_frees_it(pipeline, server, client):
     before, succeeded_before = metrics(server), succeeded_requests(client)
     room = pipeline.max_context - len(pipeline.encode(PROMPTS[0]))
@@ -232,68 +360,63 @@ def test_cancelling_a_stream_stops_its_generation_and_frees_it(pipeline, server,
     result, error = responses.get(timeout=30)
     assert error is None
     client.stop_stream(cancel_requests=True)
-    cancelled_before = metric(before, "ssd_requests_total", finish_reason="cancelled")
-    after = settled_metrics(server, lambda text: metric(text, "ssd_requests_total", finish_reason="cancelled")
-                            > cancelled_before and metric(text, "ssd_requests_in_flight") == 0)
-    generated = metric(after, "ssd_generated_tokens_total") - metric(before, "ssd_generated_tokens_total")
+    generated = generated_since(before, stopped_and_idle(server, before))
     assert 1 <= generated < room / 2  # stopped long before its max_tokens
     wait_for_succeeded(client, succeeded_before + 1)  # the ensemble request ended too
     followup = complete(client, ensemble_inputs(PROMPTS[0], 8, True, end_id=-1))
     assert followup.finish_reason == "length"
 
 
+def test_cancelling_requests_not_streamed_stops_them_and_frees_their_slots(pipeline, server, client):
+    """As many non-streamed requests as there are generation slots, cancelled together: all
+    stop (heartbeats carry Triton's cancellation to postprocessing), and the next request
+    gets a slot at once."""
+    before, slots = metrics(server), DEFAULT_MAX_CONCURRENCY
+    room = pipeline.max_context - len(pipeline.encode(PROMPTS[1]))
+    client.start_stream(callback=lambda result, error: None)
+    for _ in range(slots):
+        client.async_stream_infer(MODEL, ensemble_inputs(PROMPTS[1], room, False, decoding_mode="autoregressive",
+                                                         end_id=-1), enable_empty_final_response=True)
+    settled_metrics(server, lambda text: metric(text, "ssd_requests_in_flight") == slots, timeout_s=30)
+    time.sleep(0.3)  # every slot generating
+    client.stop_stream(cancel_requests=True)
+    generated = generated_since(before, stopped_and_idle(server, before, slots))
+    assert slots <= generated < slots * room / 4
+    followup = complete(client, ensemble_inputs(PROMPTS[1], 8, False, end_id=-1), timeout_s=30)
+    assert followup.finish_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_killed_client_stops_its_generation(pipeline, server, stream):
+    before = metrics(server)
+    room = pipeline.max_context - len(pipeline.encode(PROMPTS[2]))
+    command = [sys.executable, str(REPO_ROOT / "scripts" / "client.py"), "--url", f"127.0.0.1:{server.ports.grpc}",
+               "--prompt", PROMPTS[2], "--max-tokens", str(room), "--end-id", "-1", "--decoding-mode",
+               "autoregressive", "--wait", "30"] + (["--stream"] if stream else [])
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as killed:
+        settled_metrics(server, lambda text: metric(text, "ssd_requests_in_flight") >= 1, timeout_s=60)
+        time.sleep(0.3)
+        killed.kill()  # SIGKILL: the client cannot say goodbye
+    generated = generated_since(before, stopped_and_idle(server, before))
+    assert 1 <= generated < room / 2
+
+
 def test_the_ssd_model_called_directly_streams_validates_and_cancels(pipeline, server, client):
     """Clients may skip the ensemble (token ids in, token ids out), like tensorrt_llm's model."""
     prompt = np.array([pipeline.encode(PROMPTS[3])], dtype=np.int32)
     room = pipeline.max_context - prompt.shape[1]
-    inputs = raw(("input_ids", prompt, "INT32"), ("max_tokens", np.array([[room]], np.int32), "INT32"),
-                 ("stream", np.array([[True]]), "BOOL"), ("end_id", np.array([[-1]], np.int32), "INT32"))
+    inputs = raw(("input_ids", prompt, "INT32"), one("max_tokens", room, "INT32"), STREAM, NEVER_END)
     responses, before = queue.Queue(), metrics(server)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     client.async_stream_infer("ssd", inputs, enable_empty_final_response=True)
     result, error = responses.get(timeout=30)
     assert error is None and result.as_numpy("output_ids").size >= 1
     client.stop_stream(cancel_requests=True)
-    cancelled_before = metric(before, "ssd_requests_total", finish_reason="cancelled")
-    after = settled_metrics(server, lambda text: metric(text, "ssd_requests_total", finish_reason="cancelled")
-                            > cancelled_before and metric(text, "ssd_requests_in_flight") == 0)
-    assert metric(after, "ssd_generated_tokens_total") - metric(before, "ssd_generated_tokens_total") < room / 2
-    without_prompt = raw(("max_tokens", np.array([[4]], np.int32), "INT32"))
-    with pytest.raises(CompletionError, match="'input_ids'"):
-        complete(client, without_prompt, model="ssd", timeout_s=30)
-
-
-def raw(*named_arrays):
-    inputs = []
-    for name, array, datatype in named_arrays:
-        infer_input = grpcclient.InferInput(name, list(array.shape), datatype)
-        infer_input.set_data_from_numpy(array)
-        inputs.append(infer_input)
-    return inputs
-
-
-TEXT = ("text_input", np.array([[b"the quick"]], dtype=object), "BYTES")
-BAD_REQUESTS = {
-    "missing text_input": (raw(("max_tokens", np.array([[4]], np.int32), "INT32")), "text_input"),
-    "missing max_tokens": (raw(TEXT), "max_tokens"),
-    "max_tokens as FP32": (raw(TEXT, ("max_tokens", np.array([[4]], np.float32), "FP32")), "max_tokens"),
-    "text_input of shape [1, 2]": (raw(("text_input", np.array([[b"a", b"b"]], dtype=object), "BYTES"),
-                                       ("max_tokens", np.array([[4]], np.int32), "INT32")), "text_input"),
-    "empty text": (ensemble_inputs("", 4, True), "text_input"),
-    "max_tokens 0": (ensemble_inputs("the quick", 0, True), "max_tokens"),
-    "max_tokens beyond the context": (ensemble_inputs("the quick", 10_000, True), "max_tokens"),
-    "unknown decoding mode": (ensemble_inputs("the quick", 4, True, decoding_mode="fast"), "decoding_mode"),
-    "negative temperature": (ensemble_inputs("the quick", 4, True, temperature=-0.5), "temperature"),
-    "bad words": (ensemble_inputs("the quick", 4, True, bad_words=["fox"]), "bad_words"),
-}
-
-
-def test_bad_requests_get_errors_naming_the_input_and_the_server_keeps_serving(server, client):
-    for inputs, named in BAD_REQUESTS.values():
-        with pytest.raises(CompletionError, match=f"'{named}'"):
-            complete(client, inputs, timeout_s=30)
-    assert complete(client, ensemble_inputs("the quick", 8, True, end_id=-1)).finish_reason == "length"
-    settled_metrics(server, lambda text: metric(text, "ssd_requests_in_flight") == 0)
+    assert generated_since(before, stopped_and_idle(server, before)) < room / 2
+    empty_stop_words = raw(("input_ids", prompt, "INT32"), one("max_tokens", 4, "INT32"),
+                           ("stop_words_list", np.zeros((1, 2, 0), np.int32), "INT32"))
+    final = list(stream_responses(client, "ssd", empty_stop_words))[-1]
+    assert final.as_numpy("finish_reason").reshape(-1)[0] == b"length"  # [1, 2, 0]: no stop words
 
 
 def test_metrics_endpoint_reports_the_ssd_figures(server, client):

@@ -3,7 +3,14 @@ response stream that the Triton SSD model sends (driven here by the real runtime
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,12 +19,17 @@ from saguaro.runtime.detokenizer import PREFIX_TOKENS, prefix_window, stream_tex
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline, RequestError
 from saguaro.runtime.sampling import SamplingParams
-from saguaro.serving.requests import (ModelLimits, defaults_from_parameters, ServingRequest, TextCodec, first_stop_end,
-                             parse_request, parse_word_list, run_request, split_words, word_list)
+from saguaro.serving.interface import IGNORED, NEUTRAL_ONLY
+from saguaro.serving.launch import pending_signals
+from saguaro.serving.lifecycle import (CANCELLED, SHUTDOWN, DrainReport, Generations, ServerDraining, drain_inputs,
+                                       parse_drain_request)
+from saguaro.serving.requests import (INPUT_NAMES, ModelLimits, defaults_from_parameters, ServingRequest, TextCodec,
+                                      first_stop_end, parse_request, parse_word_list, run_request, split_words,
+                                      word_list)
 from saguaro.serving.model_repo import parse_args, prepare_model_repo, templates_dir, values_from_args
 from checkpoints import byte_level_tokenizer
 
-LIMITS = ModelLimits(max_context=64, vocab_size=300)
+LIMITS = ModelLimits(max_context=64, vocab_size=300, eos_token_id=2)
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +89,8 @@ def request_inputs(**overrides) -> dict:
     for name, value in overrides.items():
         if value is None:
             inputs.pop(name, None)
+        elif isinstance(value, np.ndarray) and value.ndim >= 2:  # already with its batch dimension
+            inputs[name] = value
         elif isinstance(value, str):  # Triton hands strings over as bytes
             inputs[name] = np.array([[value.encode()]], dtype=object)
         else:
@@ -130,10 +144,81 @@ def test_bad_configured_defaults_fail_at_load():
     ({"budget": 0}, "budget"),
     ({"saguaro_factor": np.float32(2)}, "saguaro_factor"),
     ({"end_id": 300}, "end_id"),
+    ({"input_ids": [1, 300]}, "input_ids"),      # beyond the vocabulary
+    ({"input_ids": [-1, 5]}, "input_ids"),
+    ({"stop_words_list": np.zeros((1, 3, 2), np.int32)}, "stop_words_list"),
+    ({"stop_words_list": np.array([[[5, 6], [2, 1]]], np.int32)}, "stop_words_list"),  # offsets decrease
+    ({"min_length": 4}, "min_length"),           # would ban the end token
+    ({"min_tokens": 4}, "min_tokens"),
+    ({"seed": np.uint64(1), "random_seed": np.uint64(2)}, "random_seed"),
+    ({"min_length": 4, "min_tokens": 5, "end_id": -1}, "min_tokens"),
 ])
 def test_each_bad_input_is_refused_naming_it(overrides, named):
-    with pytest.raises(RequestError, match=f"'{named}'"):
+    with pytest.raises(RequestError, match=f"'{named}'") as refused:
         parse(**overrides)
+    assert "--" not in str(refused.value)  # the interface's words, not command-line flags
+
+
+@pytest.mark.parametrize("left_out", [["input_ids"], ["max_tokens"], ["input_ids", "max_tokens"]])
+def test_every_missing_required_input_is_named(left_out):
+    with pytest.raises(RequestError, match="missing required input") as refused:
+        parse(stream=True, **{name: None for name in left_out})
+    assert all(f"'{name}'" in str(refused.value) for name in left_out)
+
+
+NON_NEUTRAL = {"num_return_sequences": 2, "beam_width": 4, "repetition_penalty": np.float32(1.2),
+               "presence_penalty": np.float32(0.5), "frequency_penalty": np.float32(0.5),
+               "embedding_bias_words": "fox", "embedding_bias_weights": [np.float32(1.0)],
+               "guided_decoding_guide_type": "json", "guided_decoding_guide": "{}", "return_log_probs": True,
+               "return_context_logits": True, "return_generation_logits": True, "decoder_text_input": "x",
+               "prompt_embedding_table": [np.float16(0.5)], "prompt_vocab_size": 3,
+               "prompt_table_extra_id": np.uint64(1), "lora_task_id": np.uint64(0), "lora_weights": [np.float16(1)],
+               "lora_config": [1, 2, 3]}
+NEUTRAL = {"num_return_sequences": 1, "beam_width": 1, "repetition_penalty": np.float32(1.0),
+           "presence_penalty": np.float32(0), "frequency_penalty": np.float32(0), "embedding_bias_words": "",
+           "embedding_bias_weights": np.zeros((1, 0), np.float32), "guided_decoding_guide_type": "",
+           "guided_decoding_guide": "", "return_log_probs": False, "return_context_logits": False,
+           "return_generation_logits": False, "decoder_text_input": "",
+           "prompt_embedding_table": np.zeros((1, 0, 0), np.float16), "prompt_vocab_size": 0,
+           "prompt_table_extra_id": np.uint64(0), "lora_weights": np.zeros((1, 0, 0), np.float16),
+           "lora_config": np.zeros((1, 0, 3), np.int32)}
+
+
+def test_the_neutral_only_tables_cover_each_other():
+    assert set(NON_NEUTRAL) == set(NEUTRAL_ONLY) and set(NEUTRAL) == set(NEUTRAL_ONLY) - {"lora_task_id"}
+    assert not set(IGNORED) & set(NEUTRAL_ONLY)
+
+
+@pytest.mark.parametrize("name", sorted(NON_NEUTRAL))
+def test_a_value_ssd_cannot_honour_is_refused_saying_why(name):
+    with pytest.raises(RequestError, match=f"input '{name}'.*cannot be honoured: .+ \\(accepted: "):
+        parse(**{name: NON_NEUTRAL[name]})
+
+
+def test_neutral_and_ignored_inputs_change_nothing():
+    ignored = {"pad_id": 7, "length_penalty": np.float32(0.3), "return_perf_metrics": True,
+               "return_num_input_tokens": True, "return_num_output_tokens": False}
+    assert set(ignored) == set(IGNORED)
+    assert parse(**NEUTRAL, **ignored) == parse()
+
+
+def test_honoured_aliases_and_moot_min_length():
+    assert parse(random_seed=np.uint64(9)).sampling.seed == 9
+    assert parse(seed=np.uint64(9), random_seed=np.uint64(9)).sampling.seed == 9
+    for moot in ({"min_length": 1}, {"min_length": 40, "end_id": -1}, {"min_tokens": 40, "end_id": -1}):
+        parse(**moot)  # bans nothing: accepted
+    assert parse().exclude_input and not parse(exclude_input_in_output=False).exclude_input
+
+
+@pytest.mark.parametrize("options, named", [(DecodeOptions(num_draft_tokens=2, fanout=(99,)), "fanout"),
+                                             (DecodeOptions(num_draft_tokens=99), "num_draft_tokens")])
+def test_engine_limits_are_named_as_inputs(tiny_engines, options, named):
+    engines = Pipeline.load(engines=tiny_engines)
+    with pytest.raises(RequestError, match=f"'{named}'") as refused:
+        engines.check_request([1, 2], options, INPUT_NAMES)
+    assert "--" not in str(refused.value)
+    with pytest.raises(RequestError, match=f"--{named.replace('_', '-')}"):  # the command line keeps its words
+        engines.check_request([1, 2], options)
 
 
 def test_max_tokens_may_fill_the_context_exactly():
@@ -148,6 +233,7 @@ def test_word_lists_round_trip_in_tensorrtllm_layout():
     assert array.tolist() == [[7, 8, 9], [2, 3, -1]]
     assert parse_word_list(array[np.newaxis]) == [[7, 8], [9]]
     assert parse_word_list(word_list(lambda word: [], [])) == []
+    assert parse_word_list(np.zeros((1, 2, 0), np.int32)) == []  # an empty list of shape [1, 2, 0]
 
 
 def test_words_are_read_as_csv_like_tensorrtllm_backend():
@@ -164,10 +250,11 @@ def test_stop_sequence_found_where_it_ends_first():
 
 # --- the response stream, over the real runtime ----------------------------------------
 
-def collect(pipeline, request, cancel_after: int | None = None):
+def collect(pipeline, request, cancel_after: int | None = None, reason: str = CANCELLED):
     sent = []
     outcome = run_request(pipeline, request, lambda arrays, final: sent.append((arrays, final)),
-                          is_cancelled=lambda: cancel_after is not None and len(sent) >= cancel_after)
+                          stop_reason=lambda: reason if cancel_after is not None and len(sent) >= cancel_after
+                          else None)
     return sent, outcome
 
 
@@ -192,13 +279,28 @@ def test_streaming_sends_each_round_then_a_final_response_with_stats(pipeline):
         assert arrays["prefix_ids"].reshape(-1).tolist() == before[max(0, len(before) - PREFIX_TOKENS):]
 
 
-def test_without_streaming_one_final_response_carries_everything(pipeline):
+def test_without_streaming_a_heartbeat_per_round_then_one_final_response_carries_everything(pipeline):
     prompt = pipeline.encode("café")
-    options = DecodeOptions(max_tokens=16)
+    options = DecodeOptions(max_tokens=16, eos_token_id=-1)
+    reference = pipeline.generate(prompt, options, SamplingParams())
     sent, outcome = collect(pipeline, ServingRequest(prompt, options, SamplingParams(), stream=False))
-    assert len(sent) == 1 and sent[0][1] is True
-    assert new_ids(sent) == pipeline.generate(prompt, options, SamplingParams()).output_ids
-    assert sent[0][0]["prefix_ids"].size == 0
+    heartbeats, (final, is_final) = sent[:-1], sent[-1]
+    assert len(heartbeats) == reference.stats.rounds and is_final
+    assert all(arrays["output_ids"].size == 0 and not arrays["is_final"].all() and not final_flag
+               for arrays, final_flag in heartbeats)  # no tokens: postprocessing answers nothing
+    assert final["output_ids"].reshape(-1).tolist() == reference.output_ids and final["prefix_ids"].size == 0
+    assert (int(final["num_input_tokens"][0, 0]), int(final["num_output_tokens"][0, 0])) == (len(prompt), 16)
+
+
+def test_exclude_input_in_output_false_repeats_the_prompt_unless_streaming(pipeline):
+    prompt = pipeline.encode("café")
+    options = DecodeOptions(max_tokens=8, eos_token_id=-1)
+    generated = pipeline.generate(prompt, options, SamplingParams()).output_ids
+    sent, _ = collect(pipeline, ServingRequest(prompt, options, SamplingParams(), exclude_input=False))
+    assert sent[-1][0]["output_ids"].reshape(-1).tolist() == prompt + generated
+    assert int(sent[-1][0]["num_output_tokens"][0, 0]) == len(generated)
+    streamed, _ = collect(pipeline, ServingRequest(prompt, options, SamplingParams(), stream=True, exclude_input=False))
+    assert new_ids(streamed) == generated  # like TensorRT-LLM, a stream never repeats the prompt
 
 
 def test_a_stop_sequence_ends_the_output_after_it(pipeline):
@@ -224,6 +326,16 @@ def test_cancellation_stops_the_generation_and_ends_it_with_a_final_response(pip
     assert sent[-1][0]["finish_reason"].tolist() == [[b"cancelled"]]
 
 
+def test_a_generation_stopped_for_shutdown_says_so(pipeline):
+    prompt = pipeline.encode("the quick")
+    options = DecodeOptions(mode="autoregressive", max_tokens=100, eos_token_id=-1)
+    sent, outcome = collect(pipeline, ServingRequest(prompt, options, SamplingParams()), cancel_after=2,
+                            reason=SHUTDOWN)
+    assert outcome.finish_reason == "shutdown" and len(outcome.output_ids) == 2
+    assert sent[-1][0]["finish_reason"].tolist() == [[b"shutdown"]]
+    assert sent[-1][0]["output_ids"].reshape(-1).tolist() == outcome.output_ids  # the text so far, delivered
+
+
 def test_text_codec_encodes_and_decodes_like_the_pipeline(pipeline, tiny_pair):
     codec = TextCodec(tiny_pair / "target", pipeline.target.info.bos_token_id)
     for text in ("the quick", "café 日本", " x"):
@@ -232,6 +344,129 @@ def test_text_codec_encodes_and_decodes_like_the_pipeline(pipeline, tiny_pair):
     assert codec.decode(ids) == pipeline.decode(ids)
     with pytest.raises(RequestError, match="'text_input'"):
         codec.encode("")
+
+
+# --- live generations and the drain at shutdown ------------------------------------------
+
+def finish_after(generations: Generations, generation, seconds: float) -> threading.Thread:
+    """A stand-in worker: ends `generation` after `seconds`, or at once when stopped."""
+    def work():
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and generation.reason is None:
+            time.sleep(0.005)
+        generations.end(generation.generation_id)
+    thread = threading.Thread(target=work)
+    thread.start()
+    return thread
+
+
+def test_generations_are_stopped_by_id_with_the_first_reason_and_forgotten():
+    generations = Generations()
+    first, second = generations.start(), generations.start()
+    assert first.generation_id != second.generation_id
+    generations.cancel(second.generation_id)
+    generations.cancel(second.generation_id, SHUTDOWN)
+    assert (first.reason, second.reason) == (None, CANCELLED)  # the first reason is the one reported
+    generations.end(first.generation_id)
+    generations.cancel(first.generation_id)  # an ended generation: nothing to stop, no error
+    assert first.reason is None and first.generation_id not in generations.live
+
+
+def test_a_drain_waits_for_generations_that_finish_in_time():
+    generations = Generations()
+    workers = [finish_after(generations, generations.start(), seconds) for seconds in (0.05, 0.2)]
+    report = generations.drain(timeout_s=5)
+    assert report == DrainReport(in_flight=2, finished=2, stopped_at_deadline=0, still_running=0,
+                                 waited_s=report.waited_s) and report.complete
+    assert 0.15 < report.waited_s < 4  # waited for the slower one, not for the deadline
+    for worker in workers:
+        worker.join()
+
+
+def test_a_drain_stops_the_rest_at_its_deadline_and_refuses_newcomers():
+    generations = Generations()
+    quick, slow = generations.start(), generations.start()
+    workers = [finish_after(generations, quick, 0.01), finish_after(generations, slow, 60)]
+    report = generations.drain(timeout_s=0.3)
+    assert (report.in_flight, report.finished, report.stopped_at_deadline, report.still_running) == (2, 1, 1, 0)
+    assert slow.reason == SHUTDOWN and quick.reason is None and not report.complete
+    with pytest.raises(ServerDraining, match="shutting down"):
+        generations.start()
+    for worker in workers:
+        worker.join()
+
+
+def test_a_generation_that_ignores_the_stop_is_reported_still_running():
+    generations = Generations()
+    generations.start()  # never ends
+    report = generations.drain(timeout_s=0.05, stop_grace_s=0.05)
+    assert (report.stopped_at_deadline, report.still_running) == (1, 1)
+    assert DrainReport.from_json(report.to_json()) == report
+
+
+def test_a_drain_request_needs_the_servers_token():
+    get = drain_inputs("s3cret", 2.5).get
+    assert parse_drain_request(get, "s3cret").timeout_s == 2.5
+    with pytest.raises(RequestError, match="'control_token'"):
+        parse_drain_request(get, "other")
+    with pytest.raises(RequestError, match="disabled"):
+        parse_drain_request(get, None)
+    with pytest.raises(RequestError, match="'control'"):
+        parse_drain_request({**drain_inputs("s3cret", 1), "control": np.array([[b"reboot"]], object)}.get, "s3cret")
+    with pytest.raises(RequestError, match="'drain_timeout_s'"):
+        parse_drain_request(drain_inputs("s3cret", -1).get, "s3cret")
+
+
+# --- the guarded server process -----------------------------------------------------------
+
+def guarded(parent_pid: int, *program: str) -> list[str]:
+    return [sys.executable, "-m", "saguaro.serving.guarded_exec", str(parent_pid), *program]
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.02)
+
+
+def test_a_guarded_server_keeps_sigterm_pending_for_the_launcher_and_stops_on_sigint():
+    sleeper = subprocess.Popen(guarded(os.getpid(), "/bin/sleep", "60"))
+    try:
+        wait_until(lambda: Path(f"/proc/{sleeper.pid}/cmdline").read_bytes().startswith(b"/bin/sleep"))  # exec'd
+        sleeper.send_signal(signal.SIGTERM)
+        wait_until(lambda: signal.SIGTERM in pending_signals(sleeper.pid))
+        assert sleeper.poll() is None  # blocked: the launcher decides what a SIGTERM means
+        sleeper.send_signal(signal.SIGINT)
+        assert sleeper.wait(10) == -signal.SIGINT
+    finally:
+        sleeper.kill()
+
+
+LAUNCHER = """
+import os, subprocess, sys
+child = subprocess.Popen([sys.executable, "-m", "saguaro.serving.guarded_exec", str(os.getpid()), "/bin/sleep", "60"])
+while not open(f"/proc/{child.pid}/cmdline", "rb").read().startswith(b"/bin/sleep"):
+    pass
+print(child.pid)
+"""  # starts a guarded sleep, then dies without stopping it
+
+
+def test_a_guarded_server_gets_sigint_when_its_launcher_dies():
+    launcher = subprocess.run([sys.executable, "-c", LAUNCHER], capture_output=True, text=True, timeout=30)
+    orphan = int(launcher.stdout.split()[-1])
+    wait_until(lambda: ended(orphan))  # without the parent-death signal it would sleep on for a minute
+
+
+def ended(pid: int) -> bool:
+    try:
+        return "State:\tZ" in Path(f"/proc/{pid}/status").read_text()  # a zombie awaiting its reaper
+    except FileNotFoundError:
+        return True
+
+
+def test_a_guarded_server_does_not_start_once_its_launcher_is_gone():
+    assert subprocess.run(guarded(1, "/bin/true")).returncode == 1  # pid 1 is not our parent
 
 
 # --- the prepared model repository -----------------------------------------------------

@@ -1,8 +1,9 @@
 """The Triton Python models' own logic, without a server: `model_repo/*/1/model.py` run
 against a stand-in for `triton_python_backend_utils` (tests/fake_triton.py).
 
-What the real-server tests (test_server.py) cannot isolate: the generation registry and
-the cancellation relay, the error path of every request, the metrics lock, and shutdown.
+What the real-server tests (test_server.py) cannot isolate: the cancellation relay, the
+heartbeats of non-streamed requests, the drain request, the error path of every request,
+the metrics lock, and shutdown.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import fake_triton
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.runtime.sampling import SamplingParams
+from saguaro.serving.lifecycle import CONTROL_TOKEN_ENV, DrainReport, drain_inputs
 
 FINAL = fake_triton.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -33,8 +35,12 @@ def long_pair(tiny_pair, tmp_path_factory):
     return with_longer_context(tiny_pair, tmp_path_factory.mktemp("long"), 4096)
 
 
+TOKEN = "test-token"
+
+
 @pytest.fixture
-def ssd(ssd_module, long_pair):
+def ssd(ssd_module, long_pair, monkeypatch):
+    monkeypatch.setenv(CONTROL_TOKEN_ENV, TOKEN)  # as the launcher sets it for the server
     model = ssd_module.TritonPythonModel()
     model.initialize(fake_triton.model_args("ssd", {
         "engines_dir": "", "target_dir": str(long_pair / "target"), "draft_dir": str(long_pair / "draft"),
@@ -56,21 +62,19 @@ def wait_final(request, timeout_s: float = 60.0) -> list:
     return request.sender.responses()
 
 
+def wait_streaming(request, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not request.sender.responses():
+        assert time.monotonic() < deadline, "no round was sent"
+        time.sleep(0.01)
+
+
+def finish_reason(responses) -> str:
+    return responses[-1].outputs()["finish_reason"].reshape(-1)[0].decode()
+
+
 def output_ids(responses) -> list[int]:
     return [int(i) for r in responses if not r.has_error() for i in r.outputs()["output_ids"].reshape(-1)]
-
-
-# --- the generation registry ------------------------------------------------------------
-
-def test_generations_are_registered_cancelled_by_id_and_forgotten(ssd_module):
-    generations = ssd_module.Generations()
-    (first, first_event), (second, second_event) = generations.start(), generations.start()
-    assert first != second
-    generations.cancel(second)
-    assert second_event.is_set() and not first_event.is_set()
-    generations.end(first)
-    generations.cancel(first)  # an ended generation: nothing to cancel, no error
-    assert not first_event.is_set() and first not in generations.events
 
 
 # --- requests end to end through the model -----------------------------------------------
@@ -123,21 +127,98 @@ def test_a_failing_generation_ends_with_an_internal_error(ssd, monkeypatch):
     assert ssd.metrics.by_reason["failed"].value == 1
 
 
-def test_the_cancellation_relay_stops_the_generation_it_names(ssd):
-    request = generation_request([1, 5, 6], 3000, stream=True)
+def test_a_request_not_streamed_sends_heartbeats_then_everything_at_once(ssd):
+    request = generation_request([1, 7, 9, 11], 12, end_id=-1)
     ssd.execute([request])
-    deadline = time.monotonic() + 30
-    while not request.sender.responses():
-        assert time.monotonic() < deadline, "no round streamed"
-        time.sleep(0.01)
+    responses = wait_final(request)
+    heartbeats, final = responses[:-1], responses[-1].outputs()
+    assert heartbeats and all(r.outputs()["output_ids"].size == 0 for r in heartbeats)
+    assert final["output_ids"].size == 12 and int(final["num_output_tokens"][0, 0]) == 12
+    assert int(final["num_input_tokens"][0, 0]) == 4
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_the_cancellation_relay_stops_the_generation_it_names(ssd, streamed):
+    request = generation_request([1, 5, 6], 3000, stream=streamed)
+    ssd.execute([request])
+    wait_streaming(request)
     generation_id = int(request.sender.responses()[0].outputs()["generation_id"].reshape(-1)[0])
     relay = fake_triton.Request({"cancel_generation_id": np.array([[generation_id]], np.uint64)})
     ssd.execute([relay])
     assert relay.sender.sent == [(None, FINAL)]
     responses = wait_final(request, timeout_s=10)
-    final = responses[-1].outputs()
-    assert final["finish_reason"].reshape(-1)[0] == b"cancelled"
+    assert finish_reason(responses) == "cancelled"
     assert len(output_ids(responses)) < 3000
+
+
+def test_a_direct_request_cancelled_by_triton_stops(ssd):
+    request = generation_request([1, 5, 6], 3000, stream=True)
+    ssd.execute([request])
+    wait_streaming(request)
+    request.cancelled = True  # what Triton reports once the client cancels a direct request
+    responses = wait_final(request, timeout_s=10)
+    assert finish_reason(responses) == "cancelled" and len(output_ids(responses)) < 3000
+
+
+def drain_request(token: str = TOKEN, timeout_s: float = 0.5) -> fake_triton.Request:
+    return fake_triton.Request(drain_inputs(token, timeout_s))
+
+
+def drain_report(request) -> DrainReport:
+    (response,) = wait_final(request, timeout_s=30)
+    return DrainReport.from_json(response.outputs()["drain_report"].reshape(-1)[0].decode())
+
+
+def paced(pipeline, monkeypatch, seconds_per_round: float) -> None:
+    """Rounds that take a known time, so that what finishes before a deadline is certain."""
+    generate = pipeline.generate
+
+    def slow(prompt_ids, options, sampling, on_tokens=None, cancelled=lambda: False):
+        def each_round(tokens):
+            time.sleep(seconds_per_round)
+            on_tokens(tokens)
+        return generate(prompt_ids, options, sampling, on_tokens=each_round, cancelled=cancelled)
+    monkeypatch.setattr(pipeline, "generate", slow)
+
+
+def test_a_drain_lets_short_requests_finish_and_stops_long_ones_at_the_deadline(ssd, monkeypatch):
+    paced(ssd.pipeline, monkeypatch, 0.02)
+    short = generation_request([1, 5, 6], 8, stream=True, end_id=-1, decoding_mode=b"autoregressive")
+    long = generation_request([1, 5], 3000)
+    ssd.execute([short, long])
+    wait_streaming(short)
+    wait_streaming(long)
+    drain = drain_request(timeout_s=1.0)
+    ssd.execute([drain])
+    late = generation_request([1, 5], 4)
+    ssd.execute([late])
+    (refused, flags), = late.sender.sent
+    assert flags == FINAL and refused.error().code() == fake_triton.TritonError.UNAVAILABLE
+    assert "shutting down" in refused.error().message()
+    report = drain_report(drain)
+    assert (report.in_flight, report.finished, report.stopped_at_deadline, report.still_running) == (2, 1, 1, 0)
+    assert finish_reason(wait_final(short)) == "length" and len(output_ids(short.sender.responses())) == 8
+    long_responses = wait_final(long)
+    assert finish_reason(long_responses) == "shutdown"
+    assert 0 < long_responses[-1].outputs()["output_ids"].size < 3000  # the text so far is delivered
+
+
+def test_a_drain_of_an_idle_model_answers_at_once(ssd):
+    drain = drain_request(timeout_s=30)
+    ssd.execute([drain])
+    report = drain_report(drain)
+    assert report.complete and report.in_flight == 0 and report.waited_s < 5
+
+
+def test_a_drain_request_without_the_token_is_refused_and_changes_nothing(ssd):
+    drain = drain_request(token="guess")
+    ssd.execute([drain])
+    (response, flags), = drain.sender.sent
+    assert response.error().code() == fake_triton.TritonError.INVALID_ARG
+    assert "control_token" in response.error().message()
+    request = generation_request([1, 5], 4)
+    ssd.execute([request])
+    assert finish_reason(wait_final(request)) == "length"
 
 
 def test_finalize_ends_running_generations_with_a_final_response(ssd):
@@ -146,8 +227,7 @@ def test_finalize_ends_running_generations_with_a_final_response(ssd):
     time.sleep(0.2)
     ssd.finalize()
     for request in requests:
-        responses = wait_final(request, timeout_s=10)
-        assert responses[-1].outputs()["finish_reason"].reshape(-1)[0] == b"cancelled"
+        assert finish_reason(wait_final(request, timeout_s=10)) == "shutdown"
 
 
 # --- metrics ------------------------------------------------------------------------------
@@ -188,10 +268,18 @@ def postprocessing(tiny_pair, monkeypatch):
     return model
 
 
-def postprocessing_request(ids, generation_id: int, cancelled: bool = False) -> fake_triton.Request:
-    return fake_triton.Request({"TOKENS_BATCH": np.array([ids], np.int32), "PREFIX_IDS": np.zeros((1, 0), np.int32),
-                                "IS_FINAL": np.array([[True]]), "GENERATION_ID": np.array([[generation_id]], np.uint64)},
-                               cancelled=cancelled)
+FIGURES = {"FINISH_REASON": np.array([[b"length"]], object), "ACCEPTED_HISTOGRAM": np.array([[1, 2]], np.int32),
+           "CACHE_HITS": np.array([[3]], np.int32), "CACHE_MISSES": np.array([[0]], np.int32),
+           "TOKENS_PER_S": np.array([[9.5]], np.float32), "NUM_INPUT_TOKENS": np.array([[4]], np.int32),
+           "NUM_OUTPUT_TOKENS": np.array([[5]], np.int32), "SAMPLING_SEED": np.array([[77]], np.uint64)}
+
+
+def postprocessing_request(ids, generation_id: int, cancelled: bool = False, final: bool = True) -> fake_triton.Request:
+    empty = {name: np.zeros((1, 0), array.dtype) for name, array in FIGURES.items()}
+    return fake_triton.Request({"TOKENS_BATCH": np.array([ids], np.int32).reshape(1, -1),
+                                "PREFIX_IDS": np.zeros((1, 0), np.int32), "IS_FINAL": np.array([[final]]),
+                                "GENERATION_ID": np.array([[generation_id]], np.uint64),
+                                **(FIGURES if final else empty)}, cancelled=cancelled)
 
 
 def test_postprocessing_relays_a_cancelled_request_to_the_generation_model(postprocessing, monkeypatch):
@@ -203,9 +291,59 @@ def test_postprocessing_relays_a_cancelled_request_to_the_generation_model(postp
         return iter([fake_triton.InferenceResponse()])
     monkeypatch.setattr(fake_triton.module, "bls_handler", handler)
     ids = postprocessing.codec.encode_word("the with statement")
-    live, = postprocessing.execute([postprocessing_request(ids, 41)])
-    cancelled, = postprocessing.execute([postprocessing_request(ids, 42, cancelled=True)])
+    live, cancelled = postprocessing_request(ids, 41), postprocessing_request(ids, 42, cancelled=True)
+    assert postprocessing.execute([live, cancelled]) is None  # decoupled: answers through the senders
     assert relayed == [("ssd", 42, True)]
     text = postprocessing.codec.decode(ids)
-    for response in (live, cancelled):  # a cancelled request still gets its text, not an error
-        assert not response.has_error() and response.outputs()["OUTPUT"].reshape(-1)[0].decode() == text
+    for request in (live, cancelled):  # a cancelled request still gets its text, not an error
+        (response, flags), = request.sender.sent
+        assert flags == FINAL and not response.has_error()
+        assert response.outputs()["OUTPUT"].reshape(-1)[0].decode() == text
+
+
+def test_postprocessing_passes_the_figures_through_to_the_client(postprocessing):
+    request = postprocessing_request(postprocessing.codec.encode_word("x"), 1)
+    postprocessing.execute([request])
+    (response, _), = request.sender.sent
+    outputs = response.outputs()
+    for name, array in FIGURES.items():
+        np.testing.assert_array_equal(outputs[name.lower()], array)
+
+
+def test_postprocessing_answers_a_heartbeat_with_nothing_but_relays_its_cancellation(postprocessing, monkeypatch):
+    relayed = []
+    monkeypatch.setattr(fake_triton.module, "bls_handler",
+                        lambda request, decoupled: relayed.append(request) or iter([fake_triton.InferenceResponse()]))
+    quiet, cancelled = postprocessing_request([], 7, final=False), postprocessing_request([], 8, True, final=False)
+    postprocessing.execute([quiet, cancelled])
+    assert quiet.sender.sent == [(None, FINAL)] and cancelled.sender.sent == [(None, FINAL)]  # no client response
+    assert len(relayed) == 1
+
+
+# --- preprocessing ------------------------------------------------------------------------
+
+@pytest.fixture
+def preprocessing(tiny_pair):
+    model = fake_triton.load_model("preprocessing").TritonPythonModel()
+    model.initialize(fake_triton.model_args("preprocessing", {"tokenizer_dir": str(tiny_pair / "target"),
+                                                              "bos_token_id": "", "max_context": "64"}))
+    return model
+
+
+@pytest.mark.parametrize("inputs, named", [
+    ({}, ["text_input", "max_tokens"]),
+    ({"REQUEST_OUTPUT_LEN": np.array([[4]], np.int32)}, ["text_input"]),
+    ({"QUERY": np.array([[b"the quick"]], object)}, ["max_tokens"]),
+    ({"QUERY": np.array([[b"x" * 400]], object), "REQUEST_OUTPUT_LEN": np.array([[4]], np.int32)}, ["text_input"]),
+])
+def test_preprocessing_names_what_the_client_sent(preprocessing, inputs, named):
+    response, = preprocessing.execute([fake_triton.Request(inputs)])
+    assert response.has_error() and all(f"'{name}'" in response.error().message() for name in named)
+
+
+def test_preprocessing_encodes_a_complete_request(preprocessing):
+    request = fake_triton.Request({"QUERY": np.array([[b"the quick"]], object),
+                                   "REQUEST_OUTPUT_LEN": np.array([[4]], np.int32)})
+    response, = preprocessing.execute([request])
+    assert not response.has_error()
+    assert response.outputs()["INPUT_ID"].reshape(-1).tolist() == preprocessing.codec.encode("the quick")

@@ -2,17 +2,22 @@
 
 Decoupled: `execute` validates each request, hands it to a worker thread and returns at
 once (one `execute` at a time would serve one generation at a time). A worker runs
-`saguaro.serving.requests.run_request`, which sends a response per round when streaming and a
-final response carrying the request's stats. Cancellation is checked once per round;
-the SSD figures also go to Triton's metrics endpoint as custom metrics.
+`saguaro.serving.requests.run_request`, which sends a response per round (the round's
+tokens when streaming, a heartbeat otherwise) and a final response carrying the
+request's stats. Why a generation must stop is asked once per round; the SSD figures
+also go to Triton's metrics endpoint as custom metrics.
 
 Cancellation through the ensemble needs a relay: Triton cancels only the ensemble steps
 it schedules after the client cancels, never one in flight, so this model's request never
 looks cancelled. Each response therefore carries its generation's id; the postprocessing
 step, which Triton does cancel, sends that id back here (`cancel_generation_id`, a BLS
 request) and the generation stops at its next round.
+
+Shutdown: a drain request from the launcher (`control` = "drain", see
+saguaro/serving/lifecycle.py) makes this model refuse new generations, wait for the running
+ones until the deadline, stop the rest (finish reason "shutdown") and answer with a report.
 """
-import secrets
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,27 +27,22 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from saguaro.runtime.pipeline import Pipeline
+from saguaro.serving import lifecycle
 from saguaro.serving import requests as serving
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Tokens per second of one request; a tiny model on CPU reaches the thousands.
 TOKENS_PER_S_BUCKETS = [1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000]
-# Asking Triton whether a request is cancelled is a round trip to the server process;
-# a few times a second is prompt enough, and rounds can be much faster than that.
-CANCEL_POLL_S = 0.05
+# Asking Triton whether a direct request is cancelled is a round trip to the server
+# process; every 10 ms keeps that cost small when rounds take a fraction of a millisecond.
+# (Requests through the ensemble hear of it through the postprocessing relay instead.)
+CANCEL_POLL_S = 0.01
 
 
 def load_pipeline(parameters: dict):
     if parameters.get("engines_dir"):
         return Pipeline.load(engines=parameters["engines_dir"])
     return Pipeline.load(target=parameters["target_dir"], draft=parameters["draft_dir"])
-
-
-def input_getter(request):
-    def get(name):
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        return None if tensor is None else tensor.as_numpy()
-    return get
 
 
 def send_error(sender, message: str, code) -> None:
@@ -132,28 +132,14 @@ class SsdMetrics:
             self._count_request(outcome.finish_reason)
 
 
-class Generations:
-    """Live generations by id, each with the event that cancels it."""
-
-    def __init__(self):
-        self.events: dict[int, threading.Event] = {}
-        self.lock = threading.Lock()
-
-    def start(self) -> tuple[int, threading.Event]:
-        generation_id = secrets.randbits(63)  # unguessable: one client cannot stop another's
-        with self.lock:
-            self.events[generation_id] = threading.Event()
-            return generation_id, self.events[generation_id]
-
-    def end(self, generation_id: int) -> None:
-        with self.lock:
-            self.events.pop(generation_id, None)
-
-    def cancel(self, generation_id: int) -> None:
-        with self.lock:
-            event = self.events.get(generation_id)
-        if event is not None:
-            event.set()
+def stop_reason(live: lifecycle.Live, client_cancelled):
+    """Why the generation must stop: the registry's reason (relayed cancellation, drain
+    deadline, unloading), else a cancellation Triton reports for a direct request."""
+    def reason():
+        if live.reason is None and client_cancelled():
+            live.stop(lifecycle.CANCELLED)
+        return live.reason
+    return reason
 
 
 class TritonPythonModel:
@@ -161,12 +147,13 @@ class TritonPythonModel:
         parameters = serving.model_parameters(args)
         self.pipeline = load_pipeline(parameters)
         self.defaults = serving.defaults_from_parameters(parameters)
-        self.limits = serving.ModelLimits(self.pipeline.max_context, self.pipeline.target.info.vocab_size)
+        info = self.pipeline.target.info
+        self.limits = serving.ModelLimits(self.pipeline.max_context, info.vocab_size, info.eos_token_id)
         self.workers = ThreadPoolExecutor(int(parameters.get("max_concurrency") or 8),
                                           thread_name_prefix="ssd-request")
         self.metrics = SsdMetrics(args["model_name"], args["model_version"])
-        self.closing = threading.Event()
-        self.generations = Generations()
+        self.generations = lifecycle.Generations()
+        self.control_token = os.environ.get(lifecycle.CONTROL_TOKEN_ENV)
 
     def execute(self, requests):
         for request in requests:
@@ -175,31 +162,38 @@ class TritonPythonModel:
 
     def accept(self, request) -> None:
         sender = request.get_response_sender()
-        cancel_id = pb_utils.get_input_tensor_by_name(request, "cancel_generation_id")
-        if cancel_id is not None:  # the relay from postprocessing, not a generation
-            self.generations.cancel(int(cancel_id.as_numpy().reshape(-1)[0]))
+        get = serving.input_getter(pb_utils.get_input_tensor_by_name, request)
+        if get("cancel_generation_id") is not None:  # the relay from postprocessing, not a generation
+            self.generations.cancel(int(get("cancel_generation_id").reshape(-1)[0]))
             sender.send(flags=FINAL)
             return
+        if get("control") is not None:
+            self.control(get, sender)
+            return
         try:
-            parsed = serving.parse_request(input_getter(request), self.defaults, self.limits)
-            self.pipeline.check_request(parsed.prompt_ids, parsed.options)
+            parsed = serving.parse_request(get, self.defaults, self.limits)
+            self.pipeline.check_request(parsed.prompt_ids, parsed.options, serving.INPUT_NAMES)
+            live = self.generations.start()
         except ValueError as error:  # RequestError, or a value the options reject
             self.metrics.count_request("rejected")
             send_error(sender, str(error), pb_utils.TritonError.INVALID_ARG)
             return
+        except lifecycle.ServerDraining as error:
+            self.metrics.count_request("refused_shutting_down")
+            send_error(sender, str(error), pb_utils.TritonError.UNAVAILABLE)
+            return
         self.metrics.change_in_flight(1)
-        self.workers.submit(self.generate, request, sender, parsed)
+        self.workers.submit(self.generate, request, sender, parsed, live)
 
-    def generate(self, request, sender, parsed) -> None:
+    def generate(self, request, sender, parsed, live) -> None:
         """A worker thread's whole job for one request; every path ends it with FINAL."""
-        generation_id, relayed_cancel = self.generations.start()
-        id_array = np.array([[generation_id]], dtype=np.uint64)
+        id_array = np.array([[live.generation_id]], dtype=np.uint64)
         client_cancelled = polled(request.is_cancelled, CANCEL_POLL_S)  # when called directly
         try:
             outcome = serving.run_request(
                 self.pipeline, parsed,
                 lambda arrays, final: send_arrays(sender, {**arrays, "generation_id": id_array}, final),
-                is_cancelled=lambda: self.closing.is_set() or relayed_cancel.is_set() or client_cancelled())
+                stop_reason=stop_reason(live, client_cancelled))
         except Exception as error:  # noqa: BLE001 - the client must hear of any failure
             self.metrics.count_request("failed")
             send_error(sender, f"generation failed: {type(error).__name__}: {error}",
@@ -207,11 +201,31 @@ class TritonPythonModel:
         else:
             self.metrics.record(outcome)
         finally:
-            self.generations.end(generation_id)
+            self.generations.end(live.generation_id)
             self.metrics.change_in_flight(-1)
 
+    def control(self, get, sender) -> None:
+        """A drain request: answered from its own thread once the drain is over, so that
+        `execute` keeps taking the cancellation relays meanwhile."""
+        try:
+            drain = lifecycle.parse_drain_request(get, self.control_token)
+        except ValueError as error:
+            send_error(sender, str(error), pb_utils.TritonError.INVALID_ARG)
+            return
+        self.generations.refuse_new()  # at once: a request right after this one is refused
+        threading.Thread(target=self.drain_and_report, args=(sender, drain.timeout_s),
+                         name="ssd-drain", daemon=True).start()
+
+    def drain_and_report(self, sender, timeout_s: float) -> None:
+        report = self.generations.drain(timeout_s)
+        pb_utils.Logger.log_info(f"drained for shutdown: {report.to_json()}")
+        output = np.array([[report.to_json().encode()]], dtype=object)
+        sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("drain_report", output)]),
+                    flags=FINAL)
+
     def finalize(self):
-        # Running generations stop at their next round; queued ones start, see the flag
-        # and end at once, so every request still gets its final response.
-        self.closing.set()
+        # Unloading (the server stops): running generations stop at their next round,
+        # queued ones start, see their reason and end at once, so every request still
+        # gets its final response.
+        self.generations.stop_all(lifecycle.SHUTDOWN)
         self.workers.shutdown(wait=True)

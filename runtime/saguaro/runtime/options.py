@@ -52,9 +52,10 @@ class DecodeOptions:
 
     @property
     def prespeculating(self) -> bool:
-        """An all-zero fan-out pre-speculates nothing: that is speculative decoding."""
-        branches = self.budget is not None or any(self.fanout)
-        return self.mode == "ssd" and self.prespeculate and self.num_draft_tokens > 0 and branches
+        """A fan-out of all zeros places no branch: nothing to pre-speculate (speculative
+        decoding, as with prespeculate off)."""
+        places_branches = self.budget is not None or any(self.fanout)
+        return self.mode == "ssd" and self.prespeculate and self.num_draft_tokens > 0 and places_branches
 
     def fanout_policy(self, max_branches: int | None = None) -> StaticFanout | OnlineBudget:
         """The branch policy; `max_branches` caps an "auto" budget (the engines' limit)."""

@@ -25,6 +25,17 @@ class RequestError(ValueError):
     """A request that cannot run, rejected before any work; the message names the input."""
 
 
+@dataclass(frozen=True)
+class RequestNames:
+    """What a caller calls each part of a request, so that an error names what it sent:
+    command-line flags by default; a server passes its input names."""
+
+    prompt: str = "--prompt"
+    num_draft_tokens: str = "--num-draft-tokens"
+    branches: str = "--fanout/--budget"
+    lower: str = "lower --fanout or --budget"
+
+
 @dataclass
 class Pipeline:
     target: object  # an Engine
@@ -78,24 +89,26 @@ class Pipeline:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def check_request(self, prompt_ids: list[int], options: DecodeOptions) -> None:
+    def check_request(self, prompt_ids: list[int], options: DecodeOptions,
+                      names: RequestNames = RequestNames()) -> None:
         if not prompt_ids:
-            raise RequestError("prompt is empty: give at least one token")
+            raise RequestError(f"{names.prompt} is empty: give at least one token")
         if len(prompt_ids) >= self.max_context:
-            raise RequestError(f"prompt of {len(prompt_ids)} tokens does not fit the context of "
-                               f"{self.max_context} tokens (it must leave room for one new token)")
+            raise RequestError(f"{names.prompt}: a prompt of {len(prompt_ids)} tokens does not fit the context "
+                               f"of {self.max_context} tokens (it must leave room for one new token)")
         vocab = self.target.info.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise RequestError(f"prompt token ids must lie in [0, {vocab}); got {min(prompt_ids)}..{max(prompt_ids)}")
+            raise RequestError(f"{names.prompt}: token ids must lie in [0, {vocab}); "
+                               f"got {min(prompt_ids)}..{max(prompt_ids)}")
         limit = self.draft.info.max_draft_tokens
         if limit is not None and options.draft_tokens > limit:
-            raise RequestError(f"num_draft_tokens {options.draft_tokens} exceeds the engines' built "
-                               f"maximum {limit}")
+            raise RequestError(f"{names.num_draft_tokens}: {options.draft_tokens} draft tokens exceed the "
+                               f"engines' built maximum {limit}")
         branches = self.draft.info.max_branches
         wanted = options.fanout_policy(branches).max_branches
         if branches is not None and options.prespeculating and wanted > branches:
-            raise RequestError(f"{wanted} branches exceed the engines' built maximum {branches} "
-                               f"(lower --fanout or --budget)")
+            raise RequestError(f"{names.branches}: {wanted} branches exceed the engines' built maximum "
+                               f"{branches} ({names.lower})")
         if isinstance(self.target, RequestTarget):
             try:
                 self.target.check_options(options)

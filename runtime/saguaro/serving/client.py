@@ -16,20 +16,22 @@ import queue
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import np_to_triton_dtype
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from saguaro.runtime.arguments import flag_type
 from saguaro.runtime.options import MODES, parse_fanout
 
 MODEL = "ensemble"
-# Optional ensemble inputs: name -> numpy dtype (the values' shape is [1, n]).
+# Optional ensemble inputs: name -> numpy dtype (the values' shape is [1, n]). Beyond
+# these, the ensemble takes tensorrtllm_backend's other inputs (saguaro/serving/interface.py).
 OPTIONAL_INPUTS = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "seed": np.uint64,
-                   "end_id": np.int32, "stop_words": object, "bad_words": object, "decoding_mode": object,
-                   "num_draft_tokens": np.int32, "fanout": np.int32, "budget": np.int32,
+                   "random_seed": np.uint64, "end_id": np.int32, "min_length": np.int32, "min_tokens": np.int32,
+                   "exclude_input_in_output": bool, "stop_words": object, "bad_words": object,
+                   "decoding_mode": object, "num_draft_tokens": np.int32, "fanout": np.int32, "budget": np.int32,
                    "saguaro_factor": np.float32}
 
 
@@ -46,6 +48,8 @@ class Completion:
     cache_hits: int | None = None
     cache_misses: int | None = None
     tokens_per_s: float | None = None
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
     seed: int | None = None             # the sampling seed the server used (replayable)
     started_s: float = 0.0              # time.monotonic() when the request was sent
     response_times_s: list[float] = field(default_factory=list)  # since started_s
@@ -54,12 +58,21 @@ class Completion:
         return asdict(self)
 
 
-def tensor(name: str, values, dtype) -> grpcclient.InferInput:
-    array = np.array([[v.encode() if isinstance(v, str) else v for v in values]], dtype=dtype)
-    infer_input = grpcclient.InferInput(name, list(array.shape), "BYTES" if dtype is object
+def infer_input(name: str, array: np.ndarray) -> grpcclient.InferInput:
+    """A gRPC input from an array (strings as an object array of bytes)."""
+    infer_input = grpcclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == object
                                         else np_to_triton_dtype(array.dtype))
     infer_input.set_data_from_numpy(array)
     return infer_input
+
+
+def infer_inputs(arrays: dict[str, np.ndarray]) -> list[grpcclient.InferInput]:
+    return [infer_input(name, array) for name, array in arrays.items()]
+
+
+def tensor(name: str, values, dtype) -> grpcclient.InferInput:
+    """One `[1, n]` input: the batch dimension of one request, then the values."""
+    return infer_input(name, np.array([[v.encode() if isinstance(v, str) else v for v in values]], dtype=dtype))
 
 
 def ensemble_inputs(prompt: str, max_tokens: int, stream: bool, **optional) -> list[grpcclient.InferInput]:
@@ -97,30 +110,51 @@ def absorb(completion: Completion, result) -> bool:
         completion.cache_hits = first(result, "cache_hits")
         completion.cache_misses = first(result, "cache_misses")
         completion.tokens_per_s = first(result, "tokens_per_s")
+        completion.num_input_tokens = first(result, "num_input_tokens")
+        completion.num_output_tokens = first(result, "num_output_tokens")
         completion.seed = first(result, "sampling_seed")
+    return final_flag(result)
+
+
+def final_flag(result) -> bool:
     return result.get_response().parameters["triton_final_response"].bool_param
+
+
+def stream_responses(client: grpcclient.InferenceServerClient, model: str, inputs,
+                     timeout_s: float = 120.0) -> Iterator:
+    """Send one request on a fresh stream and yield its responses up to the final one;
+    CompletionError if the server answers with an error or falls silent for `timeout_s`."""
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        try:
+            client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        except InferenceServerException as error:  # the stream broke at once (nothing listening): say why
+            raise CompletionError(str(responses.get_nowait()[1] if not responses.empty() else error)) from None
+        while True:
+            try:
+                result, error = responses.get(timeout=timeout_s)
+            except queue.Empty:
+                raise CompletionError(f"no response from '{model}' in {timeout_s:.0f} s") from None
+            if error is not None:
+                raise CompletionError(str(error))
+            yield result
+            if final_flag(result):
+                return
+    finally:
+        client.stop_stream()
 
 
 def complete(client: grpcclient.InferenceServerClient, inputs, on_text: Callable[[str], None] | None = None,
              timeout_s: float = 120.0, model: str = MODEL) -> Completion:
     """Send one request on a fresh stream and gather its responses until the final one."""
-    responses: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
     completion = Completion(started_s=time.monotonic())
-    try:
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
-        while True:
-            result, error = responses.get(timeout=timeout_s)
-            if error is not None:
-                raise CompletionError(str(error))
-            pieces_before = len(completion.pieces)
-            final = absorb(completion, result)
-            if on_text and len(completion.pieces) > pieces_before:
-                on_text(completion.pieces[-1])
-            if final:
-                return completion
-    finally:
-        client.stop_stream()
+    for result in stream_responses(client, model, inputs, timeout_s):
+        pieces_before = len(completion.pieces)
+        absorb(completion, result)
+        if on_text and len(completion.pieces) > pieces_before:
+            on_text(completion.pieces[-1])
+    return completion
 
 
 def wait_until_ready(client: grpcclient.InferenceServerClient, timeout_s: float) -> None:

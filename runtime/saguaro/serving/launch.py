@@ -6,8 +6,16 @@
 Installs nothing. The server is the `tritonserver` (2.51) bundled in the nvidia-pytriton
 wheel, with its Python backend (see shared/triton-on-cpu.md). This script prepares a run
 folder (filled model repository, backend folder, log), starts the server with the
-library path its Python stub needs, waits until it is ready, prints one line, and on
-Ctrl-C or SIGTERM stops it and removes the shared-memory regions it leaves behind.
+library path its Python stub needs, waits until it is ready and prints one line.
+
+On Ctrl-C or SIGTERM (to this script or to the `tritonserver` it runs) it drains: the
+SSD model takes no new requests, the running ones may finish until `--drain-timeout`,
+the rest end with finish reason "shutdown"; only then is Triton told to stop (Triton
+itself would strand every in-flight ensemble request, see saguaro/serving/lifecycle.py),
+and the process is killed if it has not exited a few seconds later (Triton 2.51 waits
+forever for gRPC streams that clients keep open). Exit code 0: every request in flight
+finished and the server stopped cleanly; 3: the deadline cut requests short, or the
+drain failed; 1: the server failed or stopped on its own; 2: bad arguments.
 """
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ import argparse
 import importlib.util
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -26,13 +35,32 @@ import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
+import tritonclient.grpc as grpcclient
+
+from saguaro.serving.client import CompletionError, infer_inputs, stream_responses
+from saguaro.serving.lifecycle import CONTROL_TOKEN_ENV, STOP_GRACE_S, DrainReport, drain_inputs
 from saguaro.serving.model_repo import add_source_arguments, prepare_model_repo, values_from_args
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "triton_python_backend_shm_region_"
 READY_TIMEOUT_S = 180.0  # loading torch in three stubs on a busy 2-core machine
-STOP_TIMEOUT_S = 30.0
+DRAIN_TIMEOUT_S = 10.0   # how long in-flight requests may run on once a stop is asked for
+# Triton's own bound, once told to stop, on waiting for in-flight requests and then for
+# its models to unload. After a drain no request is left, so this is mostly unloading the
+# three Python stubs (1-4 s, more on a busy machine); without a drain (SIGINT sent to
+# tritonserver directly) the ensemble requests in flight cannot complete anyway (their
+# next step is refused), so a longer wait would only delay the exit.
+TRITON_EXIT_TIMEOUT_S = 15
+EXIT_GRACE_S = 3.0       # beyond Triton's exit timeout, before the process group is killed
+# Once Triton has unloaded every model that runs code (the Python models, whose finalize
+# is the last of the generations), nothing is left to wait for, yet Triton 2.51 may never
+# exit by itself: a gRPC stream that has carried an ensemble request keeps the ensemble
+# model alive until the client closes it, and gRPC is shut down without a deadline.
+UNLOADED = re.compile(r"successfully unloaded '([^']+)'")
+UNLOADED_EXIT_S = 0.5    # time to exit by itself after that, before it is killed
+SIGNALED = re.compile(r"Signal \((\d+)\) received")
 
 
 @dataclass(frozen=True)
@@ -98,6 +126,37 @@ class Ports:
         return cls(free_port(), free_port(), free_port())
 
 
+class Interrupted(Exception):
+    """A stop was asked for while the server was starting."""
+
+
+def pending_signals(pid: int) -> set[int]:
+    """Signals pending for a process (Linux /proc): a SIGTERM sent to the server, which
+    runs with SIGTERM blocked (saguaro/serving/guarded_exec.py), shows up here."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return set()
+    pending = 0
+    for match in re.finditer(r"^(?:ShdPnd|SigPnd):\s*([0-9a-f]+)$", status, re.MULTILINE):
+        pending |= int(match.group(1), 16)
+    return {signum for signum in range(1, 65) if pending & (1 << (signum - 1))}
+
+
+@dataclass(frozen=True)
+class StopReport:
+    drain: DrainReport | None  # None: there was nothing to drain, or the drain request failed
+    exit_code: int | None
+    killed: bool               # the process group had to be killed
+    unloaded: bool             # every model that runs code had unloaded by then
+    seconds: float
+
+    @property
+    def drained(self) -> bool:
+        """Every request in flight finished on its own."""
+        return self.drain is not None and self.drain.complete
+
+
 @dataclass
 class TritonServer:
     """One tritonserver process over a prepared model repository; a context manager."""
@@ -106,7 +165,13 @@ class TritonServer:
     run_dir: Path
     ports: Ports = field(default_factory=Ports)
     shm_prefix: str = field(default_factory=lambda: f"{SHM_PREFIX}saguaro_{uuid.uuid4().hex[:8]}_")
+    control_token: str = field(default_factory=lambda: secrets.token_hex(16))
     process: subprocess.Popen | None = None
+    # What happened to the process, for telling a clean stop from a crash.
+    signals_sent: set[int] = field(default_factory=set, init=False)
+    signals_logged: set[int] = field(default_factory=set, init=False)
+    log_size_checked: int = field(default=-1, init=False)
+    killed_after_unload: bool = field(default=False, init=False)
 
     @property
     def log_path(self) -> Path:
@@ -114,23 +179,27 @@ class TritonServer:
 
     def command(self, install: TritonInstall, backends: Path) -> list[str]:
         address = "127.0.0.1"
-        return [str(install.server), f"--model-repository={self.model_repo}", f"--backend-directory={backends}",
-                f"--http-address={address}", f"--grpc-address={address}", f"--metrics-address={address}",
-                f"--http-port={self.ports.http}", f"--grpc-port={self.ports.grpc}",
-                f"--metrics-port={self.ports.metrics}", "--allow-gpu-metrics=false",
-                f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
-                f"--exit-timeout-secs={int(STOP_TIMEOUT_S)}"]
+        guarded = [sys.executable, "-m", "saguaro.serving.guarded_exec", str(os.getpid())]
+        return guarded + [
+            str(install.server), f"--model-repository={self.model_repo}", f"--backend-directory={backends}",
+            f"--http-address={address}", f"--grpc-address={address}", f"--metrics-address={address}",
+            f"--http-port={self.ports.http}", f"--grpc-port={self.ports.grpc}",
+            f"--metrics-port={self.ports.metrics}", "--allow-gpu-metrics=false",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            f"--exit-timeout-secs={TRITON_EXIT_TIMEOUT_S}"]
 
-    def start(self, ready_timeout_s: float = READY_TIMEOUT_S) -> "TritonServer":
+    def start(self, ready_timeout_s: float = READY_TIMEOUT_S,
+              interrupted: Callable[[], bool] = lambda: False) -> "TritonServer":
         install = find_bundled_triton()
         backends = prepare_backends(install, self.run_dir)
+        env = {**server_environment(install), CONTROL_TOKEN_ENV: self.control_token}
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command(install, backends), stdout=log, stderr=subprocess.STDOUT,
-                                            env=server_environment(install), start_new_session=True)
+                                            env=env, start_new_session=True)
         try:
-            self.wait_ready(ready_timeout_s)
+            self.wait_ready(ready_timeout_s, interrupted)
         except BaseException:
-            self.stop()
+            self.stop(drain_timeout_s=None)
             raise
         return self
 
@@ -141,40 +210,99 @@ class TritonServer:
         except OSError:
             return False
 
-    def wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float, interrupted: Callable[[], bool] = lambda: False) -> None:
         deadline = time.monotonic() + timeout_s
         while not self.is_ready():
             if self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode} while "
                                    f"starting:\n{self.log_tail()}")
+            if interrupted():
+                raise Interrupted()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tritonserver not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
             time.sleep(0.25)
 
-    def log_tail(self, lines: int = 40) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def stop(self) -> None:
-        """SIGTERM (Triton finishes in-flight requests), SIGKILL if it hangs; then remove
-        this server's shared-memory regions, which a stopped server can leave behind."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def asked_to_stop(self) -> bool:
+        """Someone sent the server SIGTERM (blocked, so pending: ours to handle)."""
+        return self.running and signal.SIGTERM in pending_signals(self.process.pid)
+
+    def stopping_by_itself(self) -> bool:
+        """Triton began its own undrained stop (a signal it handles reached it from elsewhere)
+        or crashed (it logs the signal either way). Rereads the log only when it grew."""
+        size = self.log_path.stat().st_size if self.log_path.exists() else 0
+        if size != self.log_size_checked:
+            self.log_size_checked = size
+            self.signals_logged = {int(number) for number in SIGNALED.findall(self.log_text())}
+        return bool(self.signals_logged - self.signals_sent)
+
+    def drain(self, timeout_s: float) -> DrainReport:
+        """Ask the SSD model to drain (lifecycle.py); CompletionError if it cannot."""
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{self.ports.grpc}") as client:
+            inputs = infer_inputs(drain_inputs(self.control_token, timeout_s))
+            for result in stream_responses(client, "ssd", inputs, timeout_s=timeout_s + STOP_GRACE_S + 10):
+                report = result.as_numpy("drain_report")
+        return DrainReport.from_json(report.reshape(-1)[0].decode())
+
+    def stop(self, drain_timeout_s: float | None = DRAIN_TIMEOUT_S) -> StopReport:
+        """Drain (unless `drain_timeout_s` is None), tell Triton to stop (SIGINT: SIGTERM is
+        blocked in it), kill it if it lingers; then remove its shared-memory regions."""
+        started, drained, killed = time.monotonic(), None, False
+        if self.running and drain_timeout_s is not None:
             try:
-                self.process.wait(STOP_TIMEOUT_S + 5)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the stubs too
-                self.process.wait()
+                drained = self.drain(drain_timeout_s)
+            except CompletionError as error:
+                print(f"serve: the drain request failed, stopping without it: {error}", file=sys.stderr)
+        if self.running:
+            self.signals_sent.add(int(signal.SIGINT))
+            self.process.send_signal(signal.SIGINT)
+            killed = self.wait_for_exit(TRITON_EXIT_TIMEOUT_S + EXIT_GRACE_S)
         for region in self.shm_regions():
             region.unlink(missing_ok=True)
+        return StopReport(drained, None if self.process is None else self.process.returncode, killed,
+                          self.killed_after_unload or not killed, round(time.monotonic() - started, 2))
+
+    def backend_models(self) -> set[str]:
+        """The models that run code: every model but the ensembles."""
+        return {config.parent.name for config in self.model_repo.glob("*/config.pbtxt")
+                if not re.search(r'^platform:\s*"ensemble"', config.read_text(), re.MULTILINE)}
+
+    def backend_models_unloaded(self) -> bool:
+        return self.backend_models() <= set(UNLOADED.findall(self.log_text()))
+
+    def wait_for_exit(self, timeout_s: float) -> bool:
+        """Wait for the process to exit; kill its group (the stubs too) at the timeout, or
+        shortly after Triton has unloaded every model that runs code. True if killed."""
+        deadline, unloaded_at = time.monotonic() + timeout_s, None
+        while self.process.poll() is None:
+            now = time.monotonic()
+            if unloaded_at is None and self.backend_models_unloaded():
+                unloaded_at = now
+            if now > deadline or (unloaded_at is not None and now - unloaded_at > UNLOADED_EXIT_S):
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+                self.killed_after_unload = unloaded_at is not None
+                return True
+            time.sleep(0.05)
+        return False
 
     @property
     def stopped_cleanly(self) -> bool:
-        """Exited 0, without a crash and without abandoning requests still in flight."""
-        log = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        crashed = re.search(r"Signal \((?!15\))", log)  # 15 is our SIGTERM; 11, 6 are crashes
-        return (self.process is not None and self.process.returncode == 0
-                and "Exit timeout expired" not in log and not crashed)
+        """Exited 0 (or was killed only once every model that runs code had unloaded),
+        without a crash and without abandoning requests still in flight."""
+        log = self.log_text()
+        crashed = re.search(r"Signal \((?!(?:2|15)\))", log)  # 2 and 15 ask for a stop; 11, 6 are crashes
+        exited = self.process is not None and (self.process.returncode == 0 or self.killed_after_unload)
+        return exited and "Exit timeout expired" not in log and not crashed
 
     def shm_regions(self) -> list[Path]:
         return sorted(SHM_DIR.glob(f"{self.shm_prefix}*"))
@@ -186,19 +314,52 @@ class TritonServer:
         self.stop()
 
 
-def serve(values: dict[str, str], run_dir: Path, ports: Ports) -> TritonServer:
+def serve(values: dict[str, str], run_dir: Path, ports: Ports,
+          interrupted: Callable[[], bool] = lambda: False) -> TritonServer:
     """Prepare `run_dir` (model repository, backends, log) and start a ready server."""
     run_dir.mkdir(parents=True, exist_ok=True)
     model_repo = prepare_model_repo(run_dir / "model_repo", values)
-    return TritonServer(model_repo, run_dir, ports).start()
+    return TritonServer(model_repo, run_dir, ports).start(interrupted=interrupted)
 
 
-class StopServing(Exception):
-    """Ctrl-C or SIGTERM: stop the server and exit."""
+@dataclass
+class StopRequest:
+    """The first Ctrl-C or SIGTERM this process gets; later ones change nothing (the
+    drain is bounded by its deadline, and a second Ctrl-C must not cut clean-up short)."""
+
+    signum: int | None = None
+
+    def record(self, signum, _frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def requested(self) -> bool:
+        return self.signum is not None
 
 
-def stop_serving(*_) -> None:
-    raise StopServing
+def wait_for_stop(server: TritonServer, stop: StopRequest) -> str:
+    """Serve until a stop is asked for; what asked for it."""
+    while True:
+        if stop.requested():
+            return f"{signal.Signals(stop.signum).name} to serve.py"
+        if server.asked_to_stop():
+            return "SIGTERM to tritonserver"
+        if not server.running or server.stopping_by_itself():
+            return "tritonserver stopped by itself"
+        time.sleep(0.2)
+
+
+def summary(cause: str, report: StopReport) -> str:
+    drain = report.drain
+    drained = (f"{drain.in_flight} in flight, {drain.finished} finished, {drain.stopped_at_deadline} stopped at "
+               f"the deadline, {drain.still_running} still running" if drain else "no drain")
+    if not report.killed:
+        ending = f"tritonserver exited {report.exit_code}"
+    elif report.unloaded:
+        ending = "tritonserver killed once its models had unloaded (Triton 2.51 lingers on open gRPC streams)"
+    else:
+        ending = "tritonserver killed: it had not stopped in time"
+    return f"stopped ({cause}) in {report.seconds:.1f} s: {drained}; {ending}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -208,6 +369,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S, metavar="S",
+                        help="on a stop, how long requests in flight may run on before they are cut short")
     parser.add_argument("--run-dir", type=Path, help="default: .triton/<grpc port> in the current directory")
     return parser.parse_args(argv)
 
@@ -215,30 +378,37 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        if args.drain_timeout < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
         values = values_from_args(args)
     except ValueError as error:
         print(f"serve: {error}", file=sys.stderr)
         return 2
     run_dir = (args.run_dir or Path(".triton") / str(args.grpc_port)).resolve()
+    stop = StopRequest()
     for stop_signal in (signal.SIGINT, signal.SIGTERM):  # explicit: a background job ignores SIGINT
-        signal.signal(stop_signal, stop_serving)
+        signal.signal(stop_signal, stop.record)
     try:
-        server = serve(values, run_dir, Ports(args.grpc_port, args.http_port, args.metrics_port))
+        server = serve(values, run_dir, Ports(args.grpc_port, args.http_port, args.metrics_port), stop.requested)
     except RuntimeError as error:
         print(f"serve: {error}", file=sys.stderr)
         return 1
-    except StopServing:  # interrupted while starting: start() has stopped the server
+    except Interrupted:  # start() has stopped the server
         return 0
-    try:
-        print(f"ready: model 'ensemble' on gRPC 127.0.0.1:{args.grpc_port}, HTTP 127.0.0.1:{args.http_port}, "
-              f"metrics http://127.0.0.1:{args.metrics_port}/metrics (log {server.log_path})", flush=True)
-        return server.process.wait()
-    except StopServing:
-        return 0
-    finally:
-        for stop_signal in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut clean-up short
-            signal.signal(stop_signal, signal.SIG_IGN)
-        server.stop()
+    print(f"ready: model 'ensemble' on gRPC 127.0.0.1:{args.grpc_port}, HTTP 127.0.0.1:{args.http_port}, "
+          f"metrics http://127.0.0.1:{args.metrics_port}/metrics (tritonserver pid {server.process.pid}, "
+          f"log {server.log_path})", flush=True)
+    cause = wait_for_stop(server, stop)
+    if cause == "tritonserver stopped by itself":
+        report = server.stop(drain_timeout_s=None)
+        print(f"serve: {summary(cause, report)}\n{server.log_tail()}", file=sys.stderr)
+        return 1
+    print(f"stopping ({cause}): draining for up to {args.drain_timeout:g} s", flush=True)
+    report = server.stop(args.drain_timeout)
+    print(summary(cause, report), flush=True)
+    if not server.stopped_cleanly:
+        return 1
+    return 0 if report.drained else 3
 
 
 if __name__ == "__main__":

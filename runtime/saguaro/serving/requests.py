@@ -3,9 +3,11 @@
 A request arrives as named numpy arrays (Triton's tensors); `parse_request` validates all
 of them before any model runs and raises `RequestError` naming the input at fault.
 `run_request` drives one generation and turns its rounds into response arrays: one per
-round when streaming, else one at the end; the final one carries the request's stats.
-The input names are the ensemble's (tensorrtllm_backend's text interface plus the SSD
-knobs), so an error names what the client actually sent.
+round when streaming, else a content-free heartbeat per round (so that Triton's
+cancellation reaches the postprocessing step, see `ResponseStream`) and the whole
+completion at the end; the final response carries the request's stats. The input names
+are the ensemble's (tensorrtllm_backend's text interface plus the SSD knobs), so an
+error names what the client actually sent, in the interface's words.
 """
 from __future__ import annotations
 
@@ -20,11 +22,24 @@ import numpy as np
 from saguaro.runtime.checkpoint import load_tokenizer
 from saguaro.runtime.detokenizer import prefix_window
 from saguaro.runtime.options import DecodeOptions, parse_budget, parse_fanout
-from saguaro.runtime.pipeline import RequestError
+from saguaro.runtime.pipeline import RequestError, RequestNames
 from saguaro.runtime.sampling import SamplingParams
+from saguaro.serving.interface import refuse_unhonoured
 
 GetInput = Callable[[str], "np.ndarray | None"]  # None when the request lacks the input
 Send = Callable[[dict, bool], None]  # (response arrays, whether this is the final response)
+StopReason = Callable[[], "str | None"]  # why the generation must stop now, or None
+# How the engines' limits are named to a client of the served models.
+INPUT_NAMES = RequestNames(prompt="input 'input_ids'", num_draft_tokens="input 'num_draft_tokens'",
+                           branches="inputs 'fanout'/'budget'", lower="lower either")
+
+
+def input_getter(get_tensor, request) -> GetInput:
+    """A request's inputs as numpy arrays by name, through Triton's `get_input_tensor_by_name`."""
+    def get(name):
+        tensor = get_tensor(request, name)
+        return None if tensor is None else tensor.as_numpy()
+    return get
 
 
 def model_parameters(args: dict) -> dict[str, str]:
@@ -53,6 +68,7 @@ def defaults_from_parameters(parameters: dict[str, str]) -> DecodeOptions:
 class ModelLimits:
     max_context: int
     vocab_size: int
+    eos_token_id: int | None = None  # the model's end token (what min_length would ban)
 
 
 @dataclass(frozen=True)
@@ -62,6 +78,7 @@ class ServingRequest:
     sampling: SamplingParams
     stream: bool = False
     stop_sequences: list[list[int]] = field(default_factory=list)
+    exclude_input: bool = True  # False: a non-streamed completion repeats the prompt first
 
 
 def scalar(get: GetInput, name: str):
@@ -98,20 +115,33 @@ def build_naming_inputs(cls, named_values: list[tuple[str, str, object]]):
     return cls(**kwargs)
 
 
+def require_inputs(get: GetInput, names: dict[str, str]) -> None:
+    """RequestError naming every required input the request lacks. `names` maps the
+    model's own input names to the names the client used (the ensemble's)."""
+    missing = [f"'{client}'" for model, client in names.items() if get(model) is None]
+    if missing:
+        raise RequestError(f"missing required input{'s' if len(missing) > 1 else ''} {' and '.join(missing)}")
+
+
+def check_prompt_fits(prompt_length: int, max_context: int, input_name: str) -> None:
+    if prompt_length >= max_context:
+        raise RequestError(f"input '{input_name}': a prompt of {prompt_length} tokens leaves no room "
+                           f"in the context of {max_context} tokens")
+
+
 def parse_prompt(get: GetInput, limits: ModelLimits) -> list[int]:
     prompt_ids = ids_of(get, "input_ids")
     if not prompt_ids:
-        raise RequestError("input 'input_ids' is missing or empty: give at least one token")
-    if len(prompt_ids) >= limits.max_context:
-        raise RequestError(f"input 'input_ids': a prompt of {len(prompt_ids)} tokens leaves no room "
-                           f"in the context of {limits.max_context} tokens")
+        raise RequestError("input 'input_ids' is empty: give at least one token")
+    check_prompt_fits(len(prompt_ids), limits.max_context, "input_ids")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= limits.vocab_size:
+        raise RequestError(f"input 'input_ids': token ids must lie in [0, {limits.vocab_size}); "
+                           f"got {min(prompt_ids)}..{max(prompt_ids)}")
     return prompt_ids
 
 
 def parse_max_tokens(get: GetInput, prompt_length: int, limits: ModelLimits) -> int:
     max_tokens = scalar(get, "max_tokens")
-    if max_tokens is None:
-        raise RequestError("input 'max_tokens' is required")
     room = limits.max_context - prompt_length
     if max_tokens > room:
         raise RequestError(f"input 'max_tokens': {max_tokens} new tokens after a prompt of "
@@ -128,7 +158,33 @@ def parse_end_id(get: GetInput, limits: ModelLimits) -> int | None:
     return end_id
 
 
+def one_of(get: GetInput, *names: str):
+    """The value of an input that has several spellings in tensorrtllm_backend's versions
+    (`seed` / `random_seed`, `min_tokens` / `min_length`); contradicting spellings are an error."""
+    given = {name: scalar(get, name) for name in names}
+    given = {name: value for name, value in given.items() if value is not None}
+    if len(set(given.values())) > 1:
+        raise RequestError(f"inputs {' and '.join(map(repr, given))} disagree ({list(given.values())}): give one")
+    return next(iter(given.values()), None)
+
+
+def check_min_length(get: GetInput, options: DecodeOptions, limits: ModelLimits) -> None:
+    """min_length bans the end token before that many tokens. Masking the target inside
+    the engines' verification is not possible, so it is honoured only where it bans
+    nothing: at most 1, or when no end token stops the generation (end_id -1)."""
+    min_length = one_of(get, "min_length", "min_tokens")
+    end = limits.eos_token_id if options.eos_token_id is None else options.eos_token_id
+    if min_length is None or min_length <= 1 or end is None or end == -1:
+        return
+    name = "min_length" if get("min_length") is not None else "min_tokens"
+    raise RequestError(f"input '{name}' = {min_length} cannot be honoured: banning the end token would "
+                       f"change the target's distribution inside the engines' verification; send end_id -1 "
+                       f"(never stop early) to get max_tokens tokens, or leave {name} out")
+
+
 def parse_request(get: GetInput, defaults: DecodeOptions, limits: ModelLimits) -> ServingRequest:
+    require_inputs(get, {"input_ids": "input_ids", "max_tokens": "max_tokens"})
+    refuse_unhonoured(get)
     prompt_ids = parse_prompt(get, limits)
     fanout = ids_of(get, "fanout")
     options = build_naming_inputs(DecodeOptions, [
@@ -145,11 +201,14 @@ def parse_request(get: GetInput, defaults: DecodeOptions, limits: ModelLimits) -
         ("temperature", "temperature", scalar(get, "temperature")),
         ("top_k", "top_k", scalar(get, "top_k")),
         ("top_p", "top_p", scalar(get, "top_p")),
-        ("seed", "seed", scalar(get, "seed")),
+        ("seed", "seed", one_of(get, "seed", "random_seed")),
     ])
+    check_min_length(get, options, limits)
     stop_words = get("stop_words_list")
+    exclude_input = scalar(get, "exclude_input_in_output")
     return ServingRequest(prompt_ids, options, sampling, stream=bool(scalar(get, "stream")),
-                          stop_sequences=parse_word_list(stop_words) if stop_words is not None else [])
+                          stop_sequences=parse_word_list(stop_words) if stop_words is not None else [],
+                          exclude_input=True if exclude_input is None else bool(exclude_input))
 
 
 class TextCodec:
@@ -192,11 +251,15 @@ def word_list(encode: Callable[[str], list[int]], words: list[str]) -> np.ndarra
 
 
 def parse_word_list(array: np.ndarray) -> list[list[int]]:
-    array = np.asarray(array).reshape(-1, 2, np.asarray(array).shape[-1])[0]
+    array = np.asarray(array)
+    if array.ndim == 3 and array.shape[0] == 1:
+        array = array[0]  # the batch dimension of one request
+    if array.ndim != 2 or array.shape[0] != 2:
+        raise RequestError(f"input 'stop_words_list' must have shape [1, 2, n] (token ids end to end; each "
+                           f"word's end offset, padded with -1), got {list(np.asarray(array).shape)}")
     ids, ends = array[0].tolist(), [int(end) for end in array[1] if end >= 0]
     if any(b <= a for a, b in zip([0] + ends, ends)) or (ends and ends[-1] > len(ids)):
-        raise RequestError(f"input 'stop_words_list': offsets {ends} are not increasing within "
-                           f"{len(ids)} ids")
+        raise RequestError(f"input 'stop_words_list': offsets {ends} are not increasing within {len(ids)} ids")
     return [ids[start:end] for start, end in zip([0] + ends, ends)]
 
 
@@ -213,33 +276,58 @@ def row(values, dtype) -> np.ndarray:
     return np.array(values, dtype=dtype).reshape(1, -1)
 
 
-def response_arrays(new_ids: list[int], prefix_ids: list[int], final: bool,
-                    stats: dict | None = None, finish_reason: str | None = None) -> dict[str, np.ndarray]:
+@dataclass(frozen=True)
+class Summary:
+    """What the final response says about the whole request."""
+
+    finish_reason: str
+    stats: dict
+    input_tokens: int
+    output_tokens: int
+
+
+def response_arrays(new_ids: list[int], prefix_ids: list[int], summary: Summary | None = None
+                    ) -> dict[str, np.ndarray]:
     """Every output of the SSD model, in every response (an ensemble step needs them all);
-    stats and the finish reason are empty until the final response."""
-    stats = stats or {}
+    the summary's outputs are empty until the final response, which is the one with a summary."""
+    stats = summary.stats if summary else {}
+
+    def figure(value, dtype) -> np.ndarray:
+        return row([value] if summary else [], dtype)
+
     return {
         "output_ids": row(new_ids, np.int32),
         "prefix_ids": row(prefix_ids, np.int32),
-        "is_final": row([final], bool),
-        "finish_reason": row([finish_reason.encode()] if finish_reason else [], object),
+        "is_final": row([summary is not None], bool),
+        "finish_reason": row([summary.finish_reason.encode()] if summary else [], object),
         "accepted_histogram": row(stats.get("accepted_histogram", []), np.int32),
-        "cache_hits": row([stats["cache_hits"]] if stats else [], np.int32),
-        "cache_misses": row([stats["cache_misses"]] if stats else [], np.int32),
-        "tokens_per_s": row([stats["tokens_per_s"]] if stats else [], np.float32),
-        "sampling_seed": row([stats["seed"]] if stats else [], np.uint64),
+        "cache_hits": figure(stats.get("cache_hits"), np.int32),
+        "cache_misses": figure(stats.get("cache_misses"), np.int32),
+        "tokens_per_s": figure(stats.get("tokens_per_s"), np.float32),
+        "num_input_tokens": figure(summary and summary.input_tokens, np.int32),
+        "num_output_tokens": figure(summary and summary.output_tokens, np.int32),
+        "sampling_seed": figure(stats.get("seed"), np.uint64),
     }
+
+
+def heartbeat_arrays() -> dict[str, np.ndarray]:
+    """A non-final response with no tokens: it carries no text, and the postprocessing
+    model drops it (no client response), but it makes Triton schedule a postprocessing
+    step, the only step that sees the ensemble request's cancellation (Triton does not
+    cancel a step already running, such as the generation itself)."""
+    return response_arrays([], [])
 
 
 @dataclass
 class Outcome:
-    finish_reason: str   # the generation's, or "stop" when a stop sequence ended it
+    finish_reason: str   # the generation's, "stop" for a stop sequence, or why it was stopped
     output_ids: list[int]
     stats: dict
 
 
 class ResponseStream:
-    """Receives a generation's rounds and sends them on as response arrays."""
+    """Receives a generation's rounds and sends them on as response arrays: each round's
+    tokens when streaming, else a heartbeat per round and everything at the end."""
 
     def __init__(self, request: ServingRequest, send: Send):
         self.request, self.send = request, send
@@ -255,25 +343,36 @@ class ResponseStream:
         if end is not None:
             del self.generated[end:]
             self.stopped = True
-        if self.request.stream and len(self.generated) > start:
-            self.send(response_arrays(self.generated[start:], prefix_window(self.generated, start), False),
-                      False)
+        if not self.request.stream:
+            self.send(heartbeat_arrays(), False)
+        elif len(self.generated) > start:
+            self.send(response_arrays(self.generated[start:], prefix_window(self.generated, start)), False)
 
-    def finish(self, generation) -> Outcome:
-        """The final response, also for a cancelled generation: in a Triton 2.51 ensemble an
+    def finish(self, generation, stop_reason: str | None = None) -> Outcome:
+        """The final response, also for a stopped generation: in a Triton 2.51 ensemble an
         error from one step while another still runs leaves the request in flight forever."""
-        reason = "stop" if self.stopped else generation.finish_reason
+        if self.stopped:
+            reason = "stop"
+        elif generation.finish_reason == "cancelled" and stop_reason:
+            reason = stop_reason
+        else:
+            reason = generation.finish_reason
         outcome = Outcome(reason, list(self.generated), {**generation.stats.as_dict(), "seed": generation.seed})
-        start = len(self.generated) if self.request.stream else 0
-        self.send(response_arrays(self.generated[start:], prefix_window(self.generated, start),
-                                  True, outcome.stats, reason), True)
+        summary = Summary(reason, outcome.stats, len(self.request.prompt_ids), len(self.generated))
+        if self.request.stream:  # like TensorRT-LLM, a stream never repeats the prompt
+            new_ids, prefix_ids = [], prefix_window(self.generated, len(self.generated))
+        else:
+            new_ids = ([] if self.request.exclude_input else list(self.request.prompt_ids)) + self.generated
+            prefix_ids = []
+        self.send(response_arrays(new_ids, prefix_ids, summary), True)
         return outcome
 
 
-def run_request(pipeline, request: ServingRequest, send: Send, is_cancelled: Callable[[], bool]) -> Outcome:
-    """Generate, sending responses as rounds complete and a final one with the stats."""
+def run_request(pipeline, request: ServingRequest, send: Send, stop_reason: StopReason) -> Outcome:
+    """Generate, sending responses as rounds complete and a final one with the stats;
+    `stop_reason` is asked before every round (a reason stops the generation)."""
     stream = ResponseStream(request, send)
     generation = pipeline.generate(request.prompt_ids, request.options, request.sampling,
                                    on_tokens=stream.on_tokens,
-                                   cancelled=lambda: stream.stopped or is_cancelled())
-    return stream.finish(generation)
+                                   cancelled=lambda: stream.stopped or stop_reason() is not None)
+    return stream.finish(generation, stop_reason())

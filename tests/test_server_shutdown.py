@@ -1,0 +1,186 @@
+"""Stopping a real server with requests in flight: `scripts/serve.py` as users run it, a
+SIGTERM to it or to the `tritonserver` it runs, streams open at the signal.
+
+What must hold: every client gets its final response or a clear error, never silence;
+requests that fit in the drain deadline finish whole; the rest end with finish reason
+"shutdown" and the text generated so far; a request arriving during the drain is refused
+by name; the process exits within the deadline plus a few seconds even while an idle
+client holds a stream open; the exit code says whether the drain completed.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+from saguaro.runtime.pipeline import Pipeline
+from saguaro.serving.client import MODEL, CompletionError, absorb, Completion, complete, ensemble_inputs
+from saguaro.serving.launch import EXIT_GRACE_S, TRITON_EXIT_TIMEOUT_S, Ports
+from served import reference
+
+pytestmark = pytest.mark.server
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DRAIN_TIMEOUT_S = 6.0
+# The launcher's bound: the drain deadline, Triton's own stop (unloading the models), the
+# grace before a kill, and a margin for a busy machine. Typically the drain plus 3-5 s.
+# A request that outlasts the signal but fits in the deadline (about a second of work here).
+SHORT = 600
+EXIT_WITHIN_S = DRAIN_TIMEOUT_S + TRITON_EXIT_TIMEOUT_S + EXIT_GRACE_S + 2
+
+
+@pytest.fixture(scope="module")
+def pipeline(served_engines):
+    return Pipeline.load(engines=served_engines)
+
+
+@dataclass
+class Served:
+    """`scripts/serve.py` running in its own process group."""
+
+    process: subprocess.Popen
+    ports: Ports
+    triton_pid: int
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.ports.grpc}"
+
+
+def start_serve_py(engines: Path, run_dir: Path) -> Served:
+    ports = Ports.free()
+    command = [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), "--engines", str(engines),
+               "--grpc-port", str(ports.grpc), "--http-port", str(ports.http), "--metrics-port", str(ports.metrics),
+               "--drain-timeout", str(DRAIN_TIMEOUT_S), "--max-concurrency", "4", "--run-dir", str(run_dir)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    ready = process.stdout.readline()  # serve.py prints one line once the server is ready
+    match = re.search(r"tritonserver pid (\d+)", ready)
+    if not match:
+        process.kill()
+        pytest.fail(f"serve.py did not become ready: {ready}{process.stdout.read()}")
+    return Served(process, ports, int(match.group(1)), [ready])
+
+
+class Stream(threading.Thread):
+    """One client: a request on its own stream, gathered until its final response or error."""
+
+    def __init__(self, url: str, inputs):
+        super().__init__(daemon=True)
+        self.client = grpcclient.InferenceServerClient(url)
+        self.responses: queue.Queue = queue.Queue()
+        self.completion, self.error = Completion(started_s=time.monotonic()), None
+        self.first_response = threading.Event()
+        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
+        self.client.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
+        self.start()
+
+    def run(self) -> None:
+        while True:
+            try:
+                result, error = self.responses.get(timeout=60)
+            except queue.Empty:
+                self.error = "silence: no final response and no error in 60 s"
+                return
+            if error is not None:
+                self.error = str(error)
+                return
+            self.first_response.set()
+            if absorb(self.completion, result):
+                return
+
+
+def stop_and_collect(served: Served, signal_to: int, streams: list[Stream]) -> tuple[int, float]:
+    """Signal `signal_to` (a pid), then wait for every stream and for serve.py to exit."""
+    started = time.monotonic()
+    os.kill(signal_to, signal.SIGTERM)
+    late = refused_while_draining(served.url)
+    for stream in streams:
+        stream.join(EXIT_WITHIN_S + 30)
+    try:
+        code = served.process.wait(EXIT_WITHIN_S + 30)
+    except subprocess.TimeoutExpired:
+        os.killpg(served.process.pid, signal.SIGKILL)
+        pytest.fail("serve.py never exited")
+    elapsed = time.monotonic() - started
+    served.output.append(served.process.stdout.read())
+    assert "shutting down" in late, f"a request during the drain got: {late}"
+    return code, elapsed
+
+
+def refused_while_draining(url: str) -> str:
+    time.sleep(0.5)  # the drain has begun
+    try:
+        with grpcclient.InferenceServerClient(url) as client:
+            return f"served: {complete(client, ensemble_inputs('x', 4, True), timeout_s=30).finish_reason}"
+    except CompletionError as error:
+        return str(error)
+
+
+def process_group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_sigterm_to_serve_py_drains_then_cuts_the_rest_short(pipeline, served_engines, tmp_path):
+    served = start_serve_py(served_engines, tmp_path / "run")
+    room = pipeline.max_context - len(pipeline.encode("the quick"))
+    idle = grpcclient.InferenceServerClient(served.url)
+    idle.start_stream(callback=lambda result, error: None)  # holds a stream open, sends nothing
+    long_streamed = Stream(served.url, ensemble_inputs("the quick", room, True, end_id=-1,
+                                                       decoding_mode="autoregressive"))
+    long_whole = Stream(served.url, ensemble_inputs("lazy dog", room, False, end_id=-1,
+                                                    decoding_mode="autoregressive"))
+    assert long_streamed.first_response.wait(60)
+    short = Stream(served.url, ensemble_inputs("the quick", SHORT, True, end_id=-1, decoding_mode="autoregressive"))
+    assert short.first_response.wait(60)  # in flight at the signal
+    code, elapsed = stop_and_collect(served, served.process.pid, [short, long_streamed, long_whole])
+    print(f"serve.py stopped in {elapsed:.1f} s: {served.output[-1].strip().splitlines()[-1]}")
+
+    expected_short = pipeline.decode(reference(pipeline, "the quick", SHORT, "autoregressive", -1)[0].output_ids)
+    assert (short.error, short.completion.text, short.completion.finish_reason) == (None, expected_short, "length")
+    for stream, prompt in ((long_streamed, "the quick"), (long_whole, "lazy dog")):
+        assert stream.error is None, stream.error
+        assert stream.completion.finish_reason == "shutdown"  # a final response that says why
+        full = pipeline.decode(reference(pipeline, prompt, room, mode="autoregressive", end_id=-1)[0].output_ids)
+        assert 0 < len(stream.completion.text) < len(full) and full.startswith(stream.completion.text)
+    assert code == 3, served.output  # the drain cut requests short
+    assert elapsed < EXIT_WITHIN_S, f"took {elapsed:.1f} s with an idle stream open"
+    assert "stopped (SIGTERM to serve.py)" in "".join(served.output)
+    assert "3 in flight, 1 finished, 2 stopped at the deadline" in "".join(served.output)
+    assert process_group_gone(served.triton_pid)  # tritonserver and its stubs
+    idle.close()
+
+
+def test_sigterm_to_tritonserver_itself_drains_the_same_way(pipeline, served_engines, tmp_path):
+    served = start_serve_py(served_engines, tmp_path / "run")
+    idle = grpcclient.InferenceServerClient(served.url)
+    idle.start_stream(callback=lambda result, error: None)
+    streams = [Stream(served.url, ensemble_inputs(prompt, SHORT, stream, end_id=-1, decoding_mode="autoregressive"))
+               for prompt, stream in (("the quick", True), ("lazy dog", False))]
+    assert streams[0].first_response.wait(60)  # both in flight at the signal
+    code, elapsed = stop_and_collect(served, served.triton_pid, streams)  # not serve.py: the server
+    print(f"serve.py stopped in {elapsed:.1f} s: {served.output[-1].strip().splitlines()[-1]}")
+    for stream, prompt in zip(streams, ("the quick", "lazy dog")):
+        expected = pipeline.decode(reference(pipeline, prompt, SHORT, "autoregressive", -1)[0].output_ids)
+        assert (stream.error, stream.completion.finish_reason) == (None, "length")
+        assert stream.completion.text == expected  # finished whole within the deadline
+    assert code == 0, served.output  # drained completely, stopped cleanly
+    assert elapsed < EXIT_WITHIN_S, f"took {elapsed:.1f} s with an idle stream open"
+    assert "stopped (SIGTERM to tritonserver)" in "".join(served.output)
+    assert "2 in flight, 2 finished, 0 stopped at the deadline" in "".join(served.output)
+    assert process_group_gone(served.triton_pid)
+    idle.close()
