@@ -117,7 +117,7 @@ def test_server_metadata_and_model_configs_are_what_clients_expect(server, clien
         assert client.is_model_ready(name)
     metadata = client.get_model_metadata(MODEL)
     inputs = {spec.name: spec.datatype for spec in metadata.inputs}
-    assert inputs == {"text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "temperature": "FP32",
+    assert inputs == {"text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "chat": "BOOL", "temperature": "FP32",
                       "top_k": "INT32", "top_p": "FP32", "seed": "UINT64", "end_id": "INT32",
                       "bad_words": "BYTES", "stop_words": "BYTES", "decoding_mode": "BYTES",
                       "num_draft_tokens": "INT32", "fanout": "INT32", "budget": "INT32", "saguaro_factor": "FP32"}
@@ -275,6 +275,7 @@ BAD_REQUESTS = {
     "unknown decoding mode": (ensemble_inputs("the quick", 4, True, decoding_mode="fast"), "decoding_mode"),
     "negative temperature": (ensemble_inputs("the quick", 4, True, temperature=-0.5), "temperature"),
     "bad words": (ensemble_inputs("the quick", 4, True, bad_words=["fox"]), "bad_words"),
+    "chat without a chat template": (ensemble_inputs("the quick", 4, True, chat=True), "chat"),
 }
 
 

@@ -225,7 +225,7 @@ def test_cancellation_stops_the_generation_and_ends_it_with_a_final_response(pip
 
 
 def test_text_codec_encodes_and_decodes_like_the_pipeline(pipeline, tiny_pair):
-    codec = TextCodec(tiny_pair / "target", pipeline.target.info.bos_token_id)
+    codec = TextCodec(tiny_pair / "target")
     for text in ("the quick", "café 日本", " x"):
         assert codec.encode(text) == pipeline.encode(text)
     ids = pipeline.encode("naïve 🌵 dog")
@@ -248,7 +248,6 @@ def test_engines_fill_the_templates_from_their_manifest(tiny_engines, tmp_path):
     ssd, pre = parameters_in(repo / "ssd" / "config.pbtxt"), parameters_in(repo / "preprocessing" / "config.pbtxt")
     assert ssd["engines_dir"] == str(tiny_engines.resolve()) and ssd["target_dir"] == ""
     assert pre["tokenizer_dir"] == str(tiny_engines.resolve() / manifest["tokenizer"]["dir"])
-    assert pre["bos_token_id"] == str(manifest["models"]["target"]["bos_token_id"])
     assert (repo / "ensemble" / "1").is_dir() and (repo / "ssd" / "1" / "model.py").is_file()
     assert not any("${" in config.read_text() for config in repo.glob("*/config.pbtxt"))
     assert all("${" in config.read_text() for config in templates_dir().glob("[ps]*/config.pbtxt"))  # untouched

@@ -23,7 +23,7 @@ def ids_of(request, name: str) -> list[int]:
 class TritonPythonModel:
     def initialize(self, args):
         parameters = model_parameters(args)
-        self.codec = TextCodec(parameters["tokenizer_dir"], bos_token_id=None)
+        self.codec = TextCodec(parameters["tokenizer_dir"])
         self.generation_model = parameters["generation_model"]
 
     def execute(self, requests):

@@ -1,7 +1,9 @@
 """Triton `preprocessing`: the prompt text to token ids, stop words to a word list.
 
 Encodes exactly as the runtime does (`saguaro.serving.requests.TextCodec`), so the ids the SSD
-model receives are the ones `Pipeline.encode` would give for the same text.
+model receives are the ones `Pipeline.encode` would give for the same text; with `chat`
+true the text is one user turn rendered with the model's chat template, as
+`Pipeline.encode_chat` renders it.
 """
 
 import numpy as np
@@ -21,8 +23,7 @@ def strings_of(request, name: str) -> list[str]:
 class TritonPythonModel:
     def initialize(self, args):
         parameters = serving.model_parameters(args)
-        bos = parameters.get("bos_token_id", "").strip()
-        self.codec = serving.TextCodec(parameters["tokenizer_dir"], int(bos) if bos else None)
+        self.codec = serving.TextCodec(parameters["tokenizer_dir"])
 
     def execute(self, requests):
         return [self.respond(request) for request in requests]
@@ -45,7 +46,8 @@ class TritonPythonModel:
             raise serving.RequestError("input 'bad_words' is not supported by the SSD model; "
                                             "send it empty or leave it out")
         stop_words = serving.split_words(strings_of(request, "STOP_WORDS_DICT"))
-        input_ids = self.codec.encode(queries[0])
+        chat = pb_utils.get_input_tensor_by_name(request, "CHAT")
+        input_ids = self.codec.encode(queries[0], chat=chat is not None and bool(chat.as_numpy().reshape(-1)[0]))
         word_list = serving.word_list(self.codec.encode_word, stop_words)
         return [pb_utils.Tensor("INPUT_ID", np.array([input_ids], dtype=np.int32)),
                 pb_utils.Tensor("STOP_WORDS_IDS", word_list[np.newaxis])]

@@ -26,6 +26,7 @@ from saguaro.runtime.stats import GenerationStats
 from saguaro.runtime.verifier import Verifier
 
 OnTokens = Callable[[list[int]], None]
+StopIds = frozenset[int] | tuple[int, ...]  # end-of-generation tokens; empty: never stop early
 Cancelled = Callable[[], bool]
 
 
@@ -54,13 +55,14 @@ def timed(stats: GenerationStats, field: str):
 
 
 class Output:
-    """Committed tokens, clipped to max_tokens, the context, and the first EOS."""
+    """Committed tokens, clipped to max_tokens, the context, and the first end-of-generation
+    token (any of `stop_ids`)."""
 
-    def __init__(self, prompt_ids, options: DecodeOptions, eos_token_id, max_context: int,
+    def __init__(self, prompt_ids, options: DecodeOptions, stop_ids: StopIds, max_context: int,
                  on_tokens: OnTokens | None):
         self.ids, self.new = list(prompt_ids), []
         self.max_tokens, self.max_context = options.max_tokens, max_context
-        self.eos, self.on_tokens = eos_token_id, on_tokens
+        self.stop_ids, self.on_tokens = frozenset(stop_ids), on_tokens
         self.finish_reason = None
 
     @property
@@ -69,8 +71,9 @@ class Output:
 
     def commit(self, tokens: list[int]) -> None:
         tokens = tokens[:self.room]
-        if self.eos in tokens:
-            tokens = tokens[:tokens.index(self.eos) + 1]
+        stop = next((i for i, token in enumerate(tokens) if token in self.stop_ids), None)
+        if stop is not None:
+            tokens = tokens[:stop + 1]
             self.finish_reason = "eos"
         self.ids += tokens
         self.new += tokens
@@ -81,7 +84,7 @@ class Output:
 
 
 def speculative_decode(target, draft, prompt_ids, options: DecodeOptions, sampling: SamplingParams,
-                       eos_token_id=None, on_tokens: OnTokens | None = None,
+                       stop_ids: StopIds = (), on_tokens: OnTokens | None = None,
                        cancelled: Cancelled = lambda: False) -> Generation:
     k, policy = options.draft_tokens, options.fanout_policy(draft.info.max_branches)
     stats = GenerationStats(options.mode, k)
@@ -91,7 +94,7 @@ def speculative_decode(target, draft, prompt_ids, options: DecodeOptions, sampli
     branches = policy.max_branches if options.prespeculating else 0
     capacity = draft_cache_capacity(target.info.max_context, branches, k)
     speculator = Speculator(draft, k, sampling, options.saguaro(sampling), capacity)
-    out = Output(prompt_ids, options, eos_token_id, target.info.max_context, on_tokens)
+    out = Output(prompt_ids, options, stop_ids, target.info.max_context, on_tokens)
 
     def prespeculate(ids, proposal):
         """Runs in the worker, so even choosing the fan-out stays off the critical path."""
@@ -131,13 +134,13 @@ def speculative_decode(target, draft, prompt_ids, options: DecodeOptions, sampli
 
 
 def autoregressive_decode(target, prompt_ids, options: DecodeOptions, sampling: SamplingParams,
-                          eos_token_id=None, on_tokens: OnTokens | None = None,
+                          stop_ids: StopIds = (), on_tokens: OnTokens | None = None,
                           cancelled: Cancelled = lambda: False) -> Generation:
     """One target forward per token: the baseline every other mode must reproduce."""
     stats = GenerationStats("autoregressive", 0)
     started = time.perf_counter()
     cache = target.new_cache(target.info.max_context)
-    out = Output(prompt_ids, options, eos_token_id, target.info.max_context, on_tokens)
+    out = Output(prompt_ids, options, stop_ids, target.info.max_context, on_tokens)
     with timed(stats, "prefill_s"):
         logits = target.forward(cache, torch.tensor(prompt_ids), torch.arange(len(prompt_ids)))[-1]
     while not cancelled():

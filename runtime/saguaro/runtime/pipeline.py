@@ -16,6 +16,7 @@ from saguaro.runtime.decoding import Cancelled, Generation, OnTokens, autoregres
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.torch_engine import TorchEngine
 from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.prompts import PromptError, chat_messages, encode_chat, encode_text
 from saguaro.runtime.sampling import SamplingParams
 
 
@@ -58,11 +59,18 @@ class Pipeline:
         return self.target.info.max_context
 
     def encode(self, text: str) -> list[int]:
-        if not isinstance(text, str) or not text:
-            raise RequestError("prompt is empty: give at least one character of text")
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        bos = self.target.info.bos_token_id
-        return ([bos] if bos is not None else []) + ids
+        """A plain prompt, encoded as its tokenizer says (see `prompts`)."""
+        try:
+            return encode_text(self.tokenizer, text)
+        except PromptError as error:
+            raise RequestError(str(error)) from None
+
+    def encode_chat(self, user: str, system: str | None = None) -> list[int]:
+        """One user turn rendered with the checkpoint's chat template, assistant turn opened."""
+        try:
+            return encode_chat(self.tokenizer, chat_messages(user, system))
+        except PromptError as error:
+            raise RequestError(str(error)) from None
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -90,8 +98,14 @@ class Pipeline:
                  on_tokens: OnTokens | None = None, cancelled: Cancelled = lambda: False) -> Generation:
         prompt_ids = [int(i) for i in prompt_ids]
         self.check_request(prompt_ids, options)
-        eos = self.target.info.eos_token_id if options.eos_token_id is None else options.eos_token_id
+        stop_ids = self.stop_ids(options)
         if options.mode == "autoregressive":
-            return autoregressive_decode(self.target, prompt_ids, options, sampling, eos, on_tokens, cancelled)
-        return speculative_decode(self.target, self.draft, prompt_ids, options, sampling, eos,
+            return autoregressive_decode(self.target, prompt_ids, options, sampling, stop_ids, on_tokens, cancelled)
+        return speculative_decode(self.target, self.draft, prompt_ids, options, sampling, stop_ids,
                                   on_tokens, cancelled)
+
+    def stop_ids(self, options: DecodeOptions) -> tuple[int, ...]:
+        """The model's end-of-generation tokens, or the one a request names (-1: none)."""
+        if options.eos_token_id is None:
+            return self.target.info.eos_token_ids
+        return () if options.eos_token_id == -1 else (options.eos_token_id,)

@@ -46,7 +46,6 @@ class ModelSource:
     """Where the models and their tokenizer are, and what the engines were built for."""
 
     tokenizer_dir: Path
-    bos_token_id: int | None
     engines_dir: Path | None = None
     target_dir: Path | None = None
     draft_dir: Path | None = None
@@ -60,7 +59,6 @@ def source_from_engines(engines_dir: Path) -> ModelSource:
     manifest = read_manifest(engines_dir)
     build = manifest["build"]
     return ModelSource(tokenizer_dir=engines_dir / manifest["tokenizer"]["dir"],
-                       bos_token_id=manifest["models"]["target"].get("bos_token_id"),
                        engines_dir=engines_dir, max_draft_tokens=build.get("max_draft_tokens"),
                        max_branches=build.get("max_branches"))
 
@@ -68,9 +66,9 @@ def source_from_engines(engines_dir: Path) -> ModelSource:
 def source_from_checkpoints(target_dir: Path, draft_dir: Path) -> ModelSource:
     """Raises CheckpointError naming the folder that is not a checkpoint."""
     target_dir, draft_dir = Path(target_dir).resolve(), Path(draft_dir).resolve()
-    config = read_config(target_dir)
+    read_config(target_dir)
     read_config(draft_dir)
-    return ModelSource(tokenizer_dir=target_dir, bos_token_id=config.get("bos_token_id"),
+    return ModelSource(tokenizer_dir=target_dir,
                        target_dir=target_dir, draft_dir=draft_dir)
 
 
@@ -99,7 +97,6 @@ def template_values(source: ModelSource, options: DecodeOptions, max_concurrency
 
     return {"engines_dir": text(source.engines_dir), "target_dir": text(source.target_dir),
             "draft_dir": text(source.draft_dir), "tokenizer_dir": str(source.tokenizer_dir),
-            "bos_token_id": text(source.bos_token_id),
             "default_decoding_mode": options.mode,
             "default_num_draft_tokens": str(options.num_draft_tokens),
             "default_fanout": ",".join(map(str, options.fanout)), "default_budget": text(options.budget),

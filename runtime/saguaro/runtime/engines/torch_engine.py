@@ -20,7 +20,7 @@ class TorchEngine:
         self.info = EngineInfo(
             backend="torch", path=str(checkpoint.path), vocab_size=checkpoint.shape.vocab_size,
             max_context=checkpoint.shape.max_position_embeddings,
-            eos_token_id=checkpoint.eos_token_id, bos_token_id=checkpoint.bos_token_id,
+            eos_token_ids=checkpoint.eos_token_ids, bos_token_id=checkpoint.bos_token_id,
             tokenizer_fingerprint=tokenizer_fingerprint(checkpoint.tokenizer))
 
     def new_cache(self, capacity: int) -> KVCache:
