@@ -32,6 +32,7 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 from safetensors.torch import save_file
 
 from saguaro.modelmaker.gguf_tokenizer import GGUFTokenizer, GGUFTokenizerError, build_tokenizer, for_transformers
+from saguaro.runtime.llama import LlamaShape
 
 ARCHITECTURES = ("llama",)  # GGUF's "llama" covers Llama 1-3, SmolLM, dense Mistral
 Q = GGMLQuantizationType
@@ -57,28 +58,11 @@ class GGUFImportError(ValueError):
     """A GGUF file this importer refuses; the message names the file and what is wrong."""
 
 
-@dataclass(frozen=True)
-class Hyperparameters:
-    """A llama-architecture GGUF's numbers, read from its `llama.*` metadata."""
-
-    name: str | None
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    context_length: int
-    rope_scaling: dict | None = None
-
-
 @dataclass
 class ImportReport:
     source: str
     out: str
+    name: str | None
     architecture: str
     hyperparameters: dict
     tied_embeddings: bool
@@ -112,7 +96,8 @@ def architecture(metadata: dict) -> str:
     return arch
 
 
-def hyperparameters(metadata: dict, vocab_size: int) -> Hyperparameters:
+def hyperparameters(metadata: dict, vocab_size: int, tied: bool) -> LlamaShape:
+    """A llama-architecture GGUF's numbers (its `llama.*` metadata) as the runtime's shape."""
     arch = architecture(metadata)
 
     def number(key: str, default=None):
@@ -132,21 +117,23 @@ def hyperparameters(metadata: dict, vocab_size: int) -> Hyperparameters:
         if int(number(key, head_dim)) != head_dim:
             raise GGUFImportError(f"{arch}.{key} = {number(key)} differs from the head size {head_dim} "
                                   "(partial rotary or unequal key/value sizes are not handled)")
-    return Hyperparameters(
-        name=metadata.get("general.name"), vocab_size=int(number("vocab_size", vocab_size)), hidden_size=hidden,
+    return LlamaShape(
+        vocab_size=int(number("vocab_size", vocab_size)), hidden_size=hidden,
         intermediate_size=int(number("feed_forward_length")), num_layers=int(number("block_count")),
         num_heads=heads, num_kv_heads=int(number("attention.head_count_kv", heads)), head_dim=head_dim,
         rms_norm_eps=float(number("attention.layer_norm_rms_epsilon")),
         rope_theta=float(number("rope.freq_base", 10000.0)),
-        context_length=int(number("context_length", 2048)), rope_scaling=rope_scaling(metadata, arch))
+        max_position_embeddings=int(number("context_length", 2048)), tie_word_embeddings=tied,
+        rope_scaling=rope_scaling(metadata, arch))
 
 
-def rope_scaling(metadata: dict, arch: str) -> dict | None:
+def rope_scaling(metadata: dict, arch: str) -> tuple:
+    """`LlamaShape.rope_scaling`: sorted (key, value) pairs, empty for plain RoPE."""
     kind = metadata.get(f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
-        return None
+        return ()
     if kind == "linear":
-        return {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
+        return (("factor", float(metadata[f"{arch}.rope.scaling.factor"])), ("rope_type", "linear"))
     raise GGUFImportError(f"{arch}.rope.scaling.type {kind!r} is not handled (only linear)")
 
 
@@ -159,7 +146,7 @@ def hf_name(gguf_name: str) -> str:
     raise GGUFImportError(f"tensor {gguf_name!r} has no Hugging Face Llama counterpart in this importer")
 
 
-def expected_shapes(hp: Hyperparameters) -> dict[str, tuple[int, ...]]:
+def expected_shapes(hp: LlamaShape) -> dict[str, tuple[int, ...]]:
     h, q, kv = hp.hidden_size, hp.num_heads * hp.head_dim, hp.num_kv_heads * hp.head_dim
     shapes = {"model.embed_tokens.weight": (hp.vocab_size, h), "model.norm.weight": (h,),
               "lm_head.weight": (hp.vocab_size, h)}
@@ -178,7 +165,7 @@ def tensor_shape(tensor) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(tensor.shape.tolist()))
 
 
-def check_tensors(reader: GGUFReader, hp: Hyperparameters) -> dict[str, str]:
+def check_tensors(reader: GGUFReader, hp: LlamaShape) -> dict[str, str]:
     """Every tensor's type, name and shape, and no required tensor missing; returns the
     name map. Runs before any dequantisation, so a refusal costs no time."""
     handled = ", ".join(t.name for t in HANDLED_TYPES)
@@ -217,7 +204,7 @@ def unpermute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, weight.shape[0] // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def hf_tensor(tensor, hp: Hyperparameters) -> np.ndarray:
+def hf_tensor(tensor, hp: LlamaShape) -> np.ndarray:
     values = dequantize(tensor)
     if tensor.name.endswith("attn_q.weight"):
         return unpermute_rows(values, hp.num_heads)
@@ -226,25 +213,23 @@ def hf_tensor(tensor, hp: Hyperparameters) -> np.ndarray:
     return values
 
 
-def state_dict(reader: GGUFReader, hp: Hyperparameters, names: dict[str, str], dtype: torch.dtype):
+def state_dict(reader: GGUFReader, hp: LlamaShape, names: dict[str, str], dtype: torch.dtype):
     return {names[t.name]: torch.from_numpy(np.ascontiguousarray(hf_tensor(t, hp))).to(dtype)
             for t in reader.tensors}
 
 
 # ---- writing ----
 
-def hf_config(hp: Hyperparameters, spec: GGUFTokenizer, tied: bool, dtype: str) -> dict:
+def hf_config(hp: LlamaShape, spec: GGUFTokenizer, dtype: str) -> dict:
     """config.json as transformers 5 writes a LlamaConfig (`rope_parameters`)."""
-    rope = {"rope_type": "default", "rope_theta": hp.rope_theta}
-    if hp.rope_scaling:
-        rope = {**hp.rope_scaling, "rope_theta": hp.rope_theta}
+    rope = {"rope_type": "default", **dict(hp.rope_scaling), "rope_theta": hp.rope_theta}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": hp.vocab_size,
             "hidden_size": hp.hidden_size, "intermediate_size": hp.intermediate_size,
             "num_hidden_layers": hp.num_layers, "num_attention_heads": hp.num_heads,
             "num_key_value_heads": hp.num_kv_heads, "head_dim": hp.head_dim, "hidden_act": "silu",
-            "max_position_embeddings": hp.context_length, "rms_norm_eps": hp.rms_norm_eps,
+            "max_position_embeddings": hp.max_position_embeddings, "rms_norm_eps": hp.rms_norm_eps,
             "rope_parameters": rope, "attention_bias": False, "mlp_bias": False,
-            "tie_word_embeddings": tied, "bos_token_id": spec.bos_token_id, "eos_token_id": spec.eos_token_id,
+            "tie_word_embeddings": hp.tie_word_embeddings, "bos_token_id": spec.bos_token_id, "eos_token_id": spec.eos_token_id,
             "pad_token_id": spec.pad_token_id, "dtype": dtype}
 
 
@@ -287,13 +272,10 @@ class Inspected:
 
     path: Path
     reader: GGUFReader
-    hp: Hyperparameters
+    name: str | None  # general.name
+    hp: LlamaShape
     names: dict[str, str]
     tokenizer: GGUFTokenizer
-
-    @property
-    def tied(self) -> bool:
-        return "output.weight" not in self.names
 
 
 def inspect_gguf(path: str | Path) -> Inspected:
@@ -302,14 +284,15 @@ def inspect_gguf(path: str | Path) -> Inspected:
     reader, metadata = open_gguf(path)
     try:
         embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-        hp = hyperparameters(metadata, tensor_shape(embedding)[0] if embedding is not None else 0)
+        tied = not any(t.name == "output.weight" for t in reader.tensors)
+        hp = hyperparameters(metadata, tensor_shape(embedding)[0] if embedding is not None else 0, tied)
         names = check_tensors(reader, hp)
         tokenizer = build_tokenizer(metadata)
     except (GGUFImportError, GGUFTokenizerError) as error:
         raise GGUFImportError(f"{path}: {error}") from None
     if len(tokenizer.tokens) != hp.vocab_size:
         raise GGUFImportError(f"{path}: {len(tokenizer.tokens)} tokenizer tokens for a vocabulary of {hp.vocab_size}")
-    return Inspected(path, reader, hp, names, tokenizer)
+    return Inspected(path, reader, metadata.get("general.name"), hp, names, tokenizer)
 
 
 def import_gguf(path: str | Path, out: str | Path, dtype: str = "float32") -> ImportReport:
@@ -330,8 +313,8 @@ def convert(source: Inspected, out: str | Path, dtype: str = "float32") -> Impor
         weights = state_dict(source.reader, source.hp, source.names, DTYPES[dtype])
         seconds["dequantize"] = time.perf_counter() - mark
         mark = time.perf_counter()
-        write_checkpoint(staging, weights, hf_config(source.hp, source.tokenizer, source.tied, dtype),
-                         generation_config(source.tokenizer), source.tokenizer, source.hp.context_length)
+        write_checkpoint(staging, weights, hf_config(source.hp, source.tokenizer, dtype),
+                         generation_config(source.tokenizer), source.tokenizer, source.hp.max_position_embeddings)
         seconds["write"] = time.perf_counter() - mark
         report = import_report(source, out, weights, seconds)
         write_report(staging, report)
@@ -346,8 +329,8 @@ def convert(source: Inspected, out: str | Path, dtype: str = "float32") -> Impor
 def import_report(source: Inspected, out: Path, weights: dict, seconds: dict) -> ImportReport:
     spec = source.tokenizer
     return ImportReport(
-        source=str(source.path.resolve()), out=str(out), architecture="llama", hyperparameters=asdict(source.hp),
-        tied_embeddings=source.tied, parameters=sum(w.numel() for w in weights.values()),
+        source=str(source.path.resolve()), out=str(out), name=source.name, architecture="llama",
+        hyperparameters=asdict(source.hp), tied_embeddings=source.hp.tie_word_embeddings, parameters=sum(w.numel() for w in weights.values()),
         quantisation_types=type_counts(source.reader),
         tokenizer={"pre_tokenizer": spec.pre_tokenizer, "tokens": len(spec.tokens),
                    "bos": spec.text_of(spec.bos_token_id), "eos": spec.text_of(spec.eos_token_id),

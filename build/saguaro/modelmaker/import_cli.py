@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     report.seconds["read_and_check"] = read_s
     report.seconds["import"] = time.perf_counter() - started
     hp = report.hyperparameters
-    print(f"imported {hp['name'] or path.name}: {report.parameters / 1e6:.1f}M parameters, {hp['num_layers']} "
+    print(f"imported {report.name or path.name}: {report.parameters / 1e6:.1f}M parameters, {hp['num_layers']} "
           f"layers, hidden {hp['hidden_size']}, vocab {hp['vocab_size']} ({report.quantisation_types}) -> "
           f"{args.out} in {report.seconds['import']:.1f} s "
           f"(read and check {read_s:.1f} s, dequantise {report.seconds['dequantize']:.1f} s, "
