@@ -5,11 +5,14 @@ import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from checkpoints import build_engines_cli
-from saguaro.modelmaker.draft_for import (PRESETS, REPORT_FILE, kept_layers, make_draft_for, output_vocabulary,
-                                          Sequence)
+from saguaro.modelmaker.draft_for import (PRESETS, REPORT_FILE, Sequence, kept_layers, make_draft_for,
+                                          output_vocabulary, target_generations)
+from saguaro.modelmaker.draft_prompts import prompt_set
 from saguaro.modelmaker.train import TrainSettings
+from saguaro.runtime.checkpoint import load_tokenizer
 from saguaro.runtime.llama import UNSCORED
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
@@ -34,6 +37,19 @@ def test_layers_and_output_vocabulary():
     sequences = [Sequence([5, 6, 7, 7, 9], start=2)]
     vocab = output_vocabulary(sequences, 4, vocab_size=20, always=(1,))
     assert vocab.tolist() == [1, 5, 7, 9]  # the EOS, then outputs by frequency, then prompt tokens
+
+
+def test_target_generations_record_the_targets_top_tokens(tiny_pair):
+    """Greedy answers: the target's top token at every position is the token it produced."""
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair / "target").eval()
+    tokenizer = load_tokenizer(tiny_pair / "target")
+    prompts = prompt_set(5, 0.0, held_out=True, seed=0)
+    sequences = target_generations(target, tokenizer, prompts, 10, 3, (tokenizer.eos_token_id,), 4, progress=False)
+    assert len(sequences) == 5
+    for s in sequences:
+        assert s.ids[:s.start] == tokenizer.encode(prompts[sequences.index(s)].text)
+        assert s.top_ids[:, 0].tolist() == s.continuation and s.top_ids.shape == (len(s.continuation), 4)
+        assert torch.all(s.top_logprobs[:, :-1] >= s.top_logprobs[:, 1:])
 
 
 def test_draft_report_and_files(draft, tiny_pair):

@@ -5,7 +5,9 @@
     -> the draft keeps a few of the target's layers, its embeddings, and an lm_head over
        the tokens the target actually produces (`output_vocab`; every other token gets
        probability 0, which keeps speculative decoding lossless)
-    -> distillation: cross-entropy against the target's greedy tokens, embeddings frozen
+    -> distillation: cross-entropy against the target's greedy tokens and against its
+       distribution over its top tokens at each of them (recorded while it generated, so
+       no extra target forward), embeddings frozen
     -> agreement and accepted length at K measured on held-out prompts' generations
     -> a checkpoint folder with the target's tokenizer files and draft.json (the report)
 
@@ -51,6 +53,8 @@ class DraftSettings:
     chat_share: float = 0.6      # the rest are documentation-text prompts
     generation_batch: int = 16
     train: TrainSettings = TrainSettings(steps=200, batch_size=16, seq_len=0, lr=5e-4, warmup_steps=20)
+    soft_top: int = 16           # target tokens per position whose probabilities the draft learns
+    soft_weight: float = 1.0     # weight of that soft term against the greedy-token term
     k: int = 4                   # the draft length acceptance is reported for
     # One thread: on a shared 2-core machine a second one stalls more often than it helps.
     threads: int = 1
@@ -68,10 +72,13 @@ PRESETS = {
 
 @dataclass
 class Sequence:
-    """A prompt's ids followed by the target's greedy continuation (ending at EOS if reached)."""
+    """A prompt's ids followed by the target's greedy continuation (ending at EOS if reached),
+    and for each continuation token the target's top tokens and their log-probabilities."""
 
     ids: list[int]
     start: int  # index of the first continuation token
+    top_ids: torch.Tensor | None = None       # [continuation, soft_top]
+    top_logprobs: torch.Tensor | None = None  # [continuation, soft_top]
 
     @property
     def continuation(self) -> list[int]:
@@ -86,8 +93,9 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
 
 @torch.no_grad()
 def target_generations(target, tokenizer, prompts: list[Prompt], new_tokens: int, batch: int,
-                       stop_ids: tuple[int, ...], progress: bool) -> list[Sequence]:
-    """Greedy continuations, batched with left padding (transformers' generate)."""
+                       stop_ids: tuple[int, ...], soft_top: int, progress: bool) -> list[Sequence]:
+    """Greedy continuations, batched with left padding (transformers' generate), with the
+    target's top `soft_top` log-probabilities at every generated position."""
     pad = stop_ids[0] if stop_ids else 0
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
     sequences = []
@@ -97,10 +105,16 @@ def target_generations(target, tokenizer, prompts: list[Prompt], new_tokens: int
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
         out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                              eos_token_id=list(stop_ids) or None, pad_token_id=pad)
-        for row, prompt_ids in zip(out[:, width:].tolist(), rows):
+                              eos_token_id=list(stop_ids) or None, pad_token_id=pad,
+                              output_logits=True, return_dict_in_generate=True)
+        steps = [step.float().log_softmax(-1).topk(soft_top, dim=-1) for step in out.logits]
+        top_logprobs = torch.stack([s.values for s in steps], 1)  # [rows, steps, soft_top]
+        top_ids = torch.stack([s.indices for s in steps], 1)
+        for index, (row, prompt_ids) in enumerate(zip(out.sequences[:, width:].tolist(), rows)):
             stop = next((i for i, token in enumerate(row) if token in stop_ids), None)
-            sequences.append(Sequence(prompt_ids + row[:len(row) if stop is None else stop + 1], len(prompt_ids)))
+            length = len(row) if stop is None else stop + 1
+            sequences.append(Sequence(prompt_ids + row[:length], len(prompt_ids),
+                                      top_ids[index, :length].clone(), top_logprobs[index, :length].clone()))
         if progress:
             print(f"  target answered {len(sequences)}/{len(encoded)} prompts", flush=True)
     return sequences
@@ -140,18 +154,36 @@ def pruned_draft(target: Llama, layers: list[int], vocab_ids: torch.Tensor) -> L
     return draft
 
 
-def batch_of(sequences: list[Sequence], output_rows: torch.Tensor, unscored: int):
-    """Right-padded ids, a causal mask, positions, and labels: the draft's output row of
-    each continuation token (-100 for prompt tokens and tokens the draft cannot score)."""
-    width = max(len(s.ids) for s in sequences)
-    ids = torch.zeros(len(sequences), width, dtype=torch.long)
-    labels = torch.full((len(sequences), width), -100)
+@dataclass
+class Batch:
+    """Right-padded rows: ids, a causal mask, positions, and what each continuation token
+    teaches: its output row (`labels`, -100 for prompt tokens and tokens the draft cannot
+    score) and the output rows and probabilities of the target's top tokens there."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    labels: torch.Tensor
+    soft_rows: torch.Tensor   # [rows, width, soft_top]; `unscored` where the draft has no row
+    soft_probs: torch.Tensor  # [rows, width, soft_top]; 0 on prompt tokens
+
+
+def batch_of(sequences: list[Sequence], output_rows: torch.Tensor, unscored: int, soft_top: int = 1) -> Batch:
+    count, width = len(sequences), max(len(s.ids) for s in sequences)
+    ids = torch.zeros(count, width, dtype=torch.long)
+    labels = torch.full((count, width), -100)
+    soft_rows = torch.full((count, width, soft_top), unscored)
+    soft_probs = torch.zeros(count, width, soft_top)
     for row, s in enumerate(sequences):
-        ids[row, :len(s.ids)] = torch.tensor(s.ids)
+        end = len(s.ids)
+        ids[row, :end] = torch.tensor(s.ids)
         rows = output_rows[torch.tensor(s.continuation)]
-        labels[row, s.start:len(s.ids)] = torch.where(rows == unscored, -100, rows)
-    mask = torch.ones(width, width, dtype=torch.bool).tril().expand(len(sequences), width, width)
-    return ids, mask, torch.arange(width).expand(len(sequences), width), labels
+        labels[row, s.start:end] = torch.where(rows == unscored, -100, rows)
+        if s.top_ids is not None:
+            soft_rows[row, s.start:end] = output_rows[s.top_ids[:, :soft_top]]
+            soft_probs[row, s.start:end] = s.top_logprobs[:, :soft_top].exp()
+    mask = torch.ones(width, width, dtype=torch.bool).tril().expand(count, width, width)
+    return Batch(ids, mask, torch.arange(width).expand(count, width), labels, soft_rows, soft_probs)
 
 
 def empty_past(model: Llama, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,19 +191,35 @@ def empty_past(model: Llama, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(layers, batch, heads, 0, dim), torch.zeros(layers, batch, heads, 0, dim)
 
 
-def distill(draft: Llama, sequences: list[Sequence], settings: TrainSettings, seed: int, progress: bool) -> list[float]:
-    """Cross-entropy of the draft's next-token scores against the target's greedy tokens."""
-    draws = torch.Generator().manual_seed(seed)
+def soft_cross_entropy(log_q: torch.Tensor, rows: torch.Tensor, probs: torch.Tensor, unscored: int) -> torch.Tensor:
+    """-sum p log q over the target's top tokens the draft can score, averaged over the
+    positions that have any (`log_q` `[.., output_vocab]`)."""
+    scorable = rows != unscored
+    picked = log_q.gather(-1, torch.where(scorable, rows, 0))
+    per_position = -(probs * picked * scorable).sum(-1)
+    counted = (probs * scorable).sum(-1) > 0
+    return per_position[counted].mean() if counted.any() else per_position.sum() * 0
+
+
+def distillation_step_loss(draft: Llama, batch: Batch, soft_weight: float) -> torch.Tensor:
+    hidden, _, _ = draft.hidden_concat(batch.ids, batch.positions, batch.mask, *empty_past(draft, len(batch.ids)))
+    log_q = draft.output_logits(hidden[:, :-1]).log_softmax(-1)  # row i predicts token i + 1
+    hard = F.nll_loss(log_q.flatten(0, 1), batch.labels[:, 1:].flatten(), ignore_index=-100)
+    soft = soft_cross_entropy(log_q, batch.soft_rows[:, 1:], batch.soft_probs[:, 1:], draft.shape.output_vocab)
+    return hard + soft_weight * soft
+
+
+def distill(draft: Llama, sequences: list[Sequence], settings: DraftSettings, progress: bool) -> list[float]:
+    """Distil on random batches of the target's answers (see `distillation_step_loss`)."""
+    draws = torch.Generator().manual_seed(settings.seed)
 
     def batch_loss() -> torch.Tensor:
-        picks = torch.randint(len(sequences), (settings.batch_size,), generator=draws).tolist()
-        ids, mask, positions, labels = batch_of([sequences[i] for i in picks], draft.output_rows,
-                                                draft.shape.output_vocab)
-        hidden, _, _ = draft.hidden_concat(ids, positions, mask, *empty_past(draft, len(picks)))
-        logits = draft.output_logits(hidden[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        picks = torch.randint(len(sequences), (settings.train.batch_size,), generator=draws).tolist()
+        batch = batch_of([sequences[i] for i in picks], draft.output_rows, draft.shape.output_vocab,
+                         settings.soft_top)
+        return distillation_step_loss(draft, batch, settings.soft_weight)
 
-    return fit(draft, settings, batch_loss, progress, "draft")
+    return fit(draft, settings.train, batch_loss, progress, "draft")
 
 
 @torch.no_grad()
@@ -180,8 +228,8 @@ def agreement(draft: Llama, sequences: list[Sequence], k: int) -> dict:
     draft.eval()
     matches = []
     for s in sequences:
-        ids, mask, positions, _ = batch_of([s], draft.output_rows, draft.shape.output_vocab)
-        logits, _, _ = draft.forward_concat(ids, positions, mask, *empty_past(draft, 1))
+        batch = batch_of([s], draft.output_rows, draft.shape.output_vocab)
+        logits, _, _ = draft.forward_concat(batch.ids, batch.positions, batch.mask, *empty_past(draft, 1))
         guesses = logits[0, s.start - 1:len(s.ids) - 1].argmax(-1)
         matches.append((guesses == torch.tensor(s.continuation)).tolist())
     return summarize(matches, k, sum(s.start for s in sequences) // len(sequences),
@@ -237,17 +285,17 @@ def make_draft_for(target_dir: str | Path, out: str | Path, settings: DraftSetti
                                          checkpoint.tokenizer)
         train = target_generations(hf_target, checkpoint.tokenizer, prompt_set(
             settings.train_prompts, settings.chat_share, False, settings.seed), settings.new_tokens,
-            settings.generation_batch, stop_ids, progress)
+            settings.generation_batch, stop_ids, settings.soft_top, progress)
         held_out = target_generations(hf_target, checkpoint.tokenizer, prompt_set(
             settings.held_out_prompts, settings.chat_share, True, settings.seed), settings.new_tokens,
-            settings.generation_batch, stop_ids, progress)
+            settings.generation_batch, stop_ids, settings.soft_top, progress)
         del hf_target
         seconds["target_generations"] = time.perf_counter() - mark
         vocab_ids = output_vocabulary(train, settings.output_vocab, checkpoint.shape.vocab_size, stop_ids)
         draft = pruned_draft(checkpoint.model, layers, vocab_ids)
         before = agreement(draft, held_out, settings.k)
         mark = time.perf_counter()
-        losses = distill(draft, train, settings.train, settings.seed, progress)
+        losses = distill(draft, train, settings, progress)
         seconds["distillation"] = time.perf_counter() - mark
         after = agreement(draft, held_out, settings.k)
     report = {"target": str(target_dir.resolve()), "layers": layers, "output_vocab": len(vocab_ids),
