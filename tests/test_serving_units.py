@@ -8,6 +8,8 @@ import random
 import numpy as np
 import pytest
 
+from saguaro.runtime.checkpoint import load_tokenizer
+from saguaro.runtime.prompts import chat_messages, encode_chat
 from saguaro.runtime.detokenizer import PREFIX_TOKENS, prefix_window, stream_text, text_delta
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline, RequestError
@@ -232,6 +234,21 @@ def test_text_codec_encodes_and_decodes_like_the_pipeline(pipeline, tiny_pair):
     assert codec.decode(ids) == pipeline.decode(ids)
     with pytest.raises(RequestError, match="'text_input'"):
         codec.encode("")
+
+
+def test_text_codec_renders_chat_turns_like_the_pipeline(pipeline, tiny_pair, tmp_path):
+    """With `chat` the text is a user turn in the model's template; without a template the
+    request is refused naming 'chat'."""
+    with pytest.raises(RequestError, match="input 'chat': this model has no chat template"):
+        TextCodec(tiny_pair / "target").encode("hi", chat=True)
+    tokenizer = load_tokenizer(tiny_pair / "target")
+    tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                               "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    tokenizer.save_pretrained(tmp_path / "chat")
+    ids = TextCodec(tmp_path / "chat").encode("the quick", chat=True)
+    assert tokenizer.decode(ids) == "<s>user: the quick</s><s>assistant:"
+    assert ids == encode_chat(tokenizer, chat_messages("the quick"))
+    assert ids.count(tokenizer.bos_token_id) == 2  # the template's own, nothing added
 
 
 # --- the prepared model repository -----------------------------------------------------
