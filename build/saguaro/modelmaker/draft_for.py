@@ -26,14 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from saguaro.modelmaker.acceptance import summarize
 from saguaro.modelmaker.draft_prompts import Prompt, prompt_set
+from saguaro.modelmaker.draft_training import Sequence, agreement, distill
 from saguaro.modelmaker.model_pair import pinned_torch
-from saguaro.modelmaker.train import TrainSettings, fit
+from saguaro.modelmaker.train import TrainSettings
 from saguaro.runtime.checkpoint import OUTPUT_VOCAB_KEY, CheckpointError, end_of_generation_ids, load_checkpoint
 from saguaro.runtime.llama import Llama
 from saguaro.runtime.prompts import chat_messages, encode_chat, encode_text, has_chat_template
@@ -51,38 +50,25 @@ class DraftSettings:
     held_out_prompts: int = 32
     new_tokens: int = 64
     chat_share: float = 0.6      # the rest are documentation-text prompts
-    generation_batch: int = 16
-    train: TrainSettings = TrainSettings(steps=200, batch_size=16, seq_len=0, lr=5e-4, warmup_steps=20)
+    generation_batch: int = 32
+    train: TrainSettings = TrainSettings(steps=400, batch_size=16, seq_len=0, lr=5e-4, warmup_steps=20)
     soft_top: int = 16           # target tokens per position whose probabilities the draft learns
     soft_weight: float = 1.0     # weight of that soft term against the greedy-token term
     k: int = 4                   # the draft length acceptance is reported for
-    # One thread: on a shared 2-core machine a second one stalls more often than it helps.
-    threads: int = 1
+    threads: int = 2
     seed: int = 0
 
 
 PRESETS = {
-    # About half an hour on 2 shared cores: the target answering 320 prompts, then 200 steps.
-    "full": DraftSettings(train_prompts=320),
+    # 6 layers and 12288 output tokens, the target answering 1440 prompts, then 600 steps:
+    # about half an hour on 2 cores (see the README for measured minutes).
+    "full": DraftSettings(num_layers=6, output_vocab=12288, train_prompts=1440,
+                          train=TrainSettings(steps=600, batch_size=16, seq_len=0, lr=5e-4, warmup_steps=20)),
     # For the quickstart: a couple of minutes, a weak but real draft (output stays exact).
-    "quick": DraftSettings(train_prompts=48, held_out_prompts=16, new_tokens=32,
+    # One thread: it runs beside the rest of the quickstart on a shared 2-core machine.
+    "quick": DraftSettings(train_prompts=48, held_out_prompts=16, new_tokens=32, generation_batch=16, threads=1,
                            train=TrainSettings(steps=24, batch_size=8, seq_len=0, lr=1e-3, warmup_steps=4)),
 }
-
-
-@dataclass
-class Sequence:
-    """A prompt's ids followed by the target's greedy continuation (ending at EOS if reached),
-    and for each continuation token the target's top tokens and their log-probabilities."""
-
-    ids: list[int]
-    start: int  # index of the first continuation token
-    top_ids: torch.Tensor | None = None       # [continuation, soft_top]
-    top_logprobs: torch.Tensor | None = None  # [continuation, soft_top]
-
-    @property
-    def continuation(self) -> list[int]:
-        return self.ids[self.start:]
 
 
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
@@ -154,88 +140,6 @@ def pruned_draft(target: Llama, layers: list[int], vocab_ids: torch.Tensor) -> L
     return draft
 
 
-@dataclass
-class Batch:
-    """Right-padded rows: ids, a causal mask, positions, and what each continuation token
-    teaches: its output row (`labels`, -100 for prompt tokens and tokens the draft cannot
-    score) and the output rows and probabilities of the target's top tokens there."""
-
-    ids: torch.Tensor
-    mask: torch.Tensor
-    positions: torch.Tensor
-    labels: torch.Tensor
-    soft_rows: torch.Tensor   # [rows, width, soft_top]; `unscored` where the draft has no row
-    soft_probs: torch.Tensor  # [rows, width, soft_top]; 0 on prompt tokens
-
-
-def batch_of(sequences: list[Sequence], output_rows: torch.Tensor, unscored: int, soft_top: int = 1) -> Batch:
-    count, width = len(sequences), max(len(s.ids) for s in sequences)
-    ids = torch.zeros(count, width, dtype=torch.long)
-    labels = torch.full((count, width), -100)
-    soft_rows = torch.full((count, width, soft_top), unscored)
-    soft_probs = torch.zeros(count, width, soft_top)
-    for row, s in enumerate(sequences):
-        end = len(s.ids)
-        ids[row, :end] = torch.tensor(s.ids)
-        rows = output_rows[torch.tensor(s.continuation)]
-        labels[row, s.start:end] = torch.where(rows == unscored, -100, rows)
-        if s.top_ids is not None:
-            soft_rows[row, s.start:end] = output_rows[s.top_ids[:, :soft_top]]
-            soft_probs[row, s.start:end] = s.top_logprobs[:, :soft_top].exp()
-    mask = torch.ones(width, width, dtype=torch.bool).tril().expand(count, width, width)
-    return Batch(ids, mask, torch.arange(width).expand(count, width), labels, soft_rows, soft_probs)
-
-
-def empty_past(model: Llama, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    layers, heads, dim = model.shape.kv_shape
-    return torch.zeros(layers, batch, heads, 0, dim), torch.zeros(layers, batch, heads, 0, dim)
-
-
-def soft_cross_entropy(log_q: torch.Tensor, rows: torch.Tensor, probs: torch.Tensor, unscored: int) -> torch.Tensor:
-    """-sum p log q over the target's top tokens the draft can score, averaged over the
-    positions that have any (`log_q` `[.., output_vocab]`)."""
-    scorable = rows != unscored
-    picked = log_q.gather(-1, torch.where(scorable, rows, 0))
-    per_position = -(probs * picked * scorable).sum(-1)
-    counted = (probs * scorable).sum(-1) > 0
-    return per_position[counted].mean() if counted.any() else per_position.sum() * 0
-
-
-def distillation_step_loss(draft: Llama, batch: Batch, soft_weight: float) -> torch.Tensor:
-    hidden, _, _ = draft.hidden_concat(batch.ids, batch.positions, batch.mask, *empty_past(draft, len(batch.ids)))
-    log_q = draft.output_logits(hidden[:, :-1]).log_softmax(-1)  # row i predicts token i + 1
-    hard = F.nll_loss(log_q.flatten(0, 1), batch.labels[:, 1:].flatten(), ignore_index=-100)
-    soft = soft_cross_entropy(log_q, batch.soft_rows[:, 1:], batch.soft_probs[:, 1:], draft.shape.output_vocab)
-    return hard + soft_weight * soft
-
-
-def distill(draft: Llama, sequences: list[Sequence], settings: DraftSettings, progress: bool) -> list[float]:
-    """Distil on random batches of the target's answers (see `distillation_step_loss`)."""
-    draws = torch.Generator().manual_seed(settings.seed)
-
-    def batch_loss() -> torch.Tensor:
-        picks = torch.randint(len(sequences), (settings.train.batch_size,), generator=draws).tolist()
-        batch = batch_of([sequences[i] for i in picks], draft.output_rows, draft.shape.output_vocab,
-                         settings.soft_top)
-        return distillation_step_loss(draft, batch, settings.soft_weight)
-
-    return fit(draft, settings.train, batch_loss, progress, "draft")
-
-
-@torch.no_grad()
-def agreement(draft: Llama, sequences: list[Sequence], k: int) -> dict:
-    """Per continuation token: does the draft's argmax (full vocabulary) equal the target's?"""
-    draft.eval()
-    matches = []
-    for s in sequences:
-        batch = batch_of([s], draft.output_rows, draft.shape.output_vocab)
-        logits, _, _ = draft.forward_concat(batch.ids, batch.positions, batch.mask, *empty_past(draft, 1))
-        guesses = logits[0, s.start - 1:len(s.ids) - 1].argmax(-1)
-        matches.append((guesses == torch.tensor(s.continuation)).tolist())
-    return summarize(matches, k, sum(s.start for s in sequences) // len(sequences),
-                     max(len(s.continuation) for s in sequences))
-
-
 def decode_cost(model: Llama) -> int:
     """Weights read per decode step: the layers, the final norm and the lm_head (a tied
     lm_head is the embedding table read whole); the embedding lookup itself is free."""
@@ -295,7 +199,8 @@ def make_draft_for(target_dir: str | Path, out: str | Path, settings: DraftSetti
         draft = pruned_draft(checkpoint.model, layers, vocab_ids)
         before = agreement(draft, held_out, settings.k)
         mark = time.perf_counter()
-        losses = distill(draft, train, settings, progress)
+        losses = distill(draft, train, settings.train, settings.soft_top, settings.soft_weight, settings.seed,
+                         progress)
         seconds["distillation"] = time.perf_counter() - mark
         after = agreement(draft, held_out, settings.k)
     report = {"target": str(target_dir.resolve()), "layers": layers, "output_vocab": len(vocab_ids),

@@ -64,7 +64,7 @@ def prompt_set(count: int, chat_share: float, held_out: bool, seed: int) -> list
     chats = round(count * chat_share)
     subjects = HELD_OUT_SUBJECTS if held_out else SUBJECTS
     texts = corpus.held_out_texts() if held_out else corpus.train_texts()
-    prompts = [Prompt(q, True) for q in questions(subjects, chats, seed)]
-    prompts += [Prompt(t, False) for t in text_windows(texts, count - chats, seed)]
+    prompts = [Prompt(q, True) for q in questions(subjects, chats, seed)]  # at most forms x subjects
+    prompts += [Prompt(t, False) for t in text_windows(texts, count - len(prompts), seed)]
     random.Random(seed + 1).shuffle(prompts)
     return prompts
