@@ -46,7 +46,7 @@ COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.j
 class DraftSettings:
     num_layers: int = 4
     output_vocab: int = 8192
-    train_prompts: int = 384
+    train_prompts: int = 960
     held_out_prompts: int = 32
     new_tokens: int = 64
     chat_share: float = 0.6      # the rest are documentation-text prompts
@@ -62,7 +62,7 @@ class DraftSettings:
 PRESETS = {
     # The target answering 960 prompts (5 minutes on 2 free cores), then 400 steps (9
     # minutes); on cores shared with other jobs, 2-4 times that.
-    "full": DraftSettings(train_prompts=960),
+    "full": DraftSettings(),
     # For the quickstart: a couple of minutes, a weak but real draft (output stays exact).
     # One thread: it runs beside the rest of the quickstart on a shared 2-core machine.
     "quick": DraftSettings(train_prompts=48, held_out_prompts=16, new_tokens=32, generation_batch=16, threads=1,
