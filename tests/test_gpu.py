@@ -31,7 +31,6 @@ from saguaro.plugins.fused_verify.reference import fused_verify
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.torch_engine import TorchEngine
 from saguaro.runtime.options import DecodeOptions
-from saguaro.runtime.pipeline import Pipeline
 from saguaro.runtime.sampling import SamplingParams
 from test_export_ort import PROMPT, assert_same_logits, engine_config, prefilled
 from verify_rounds import random_round

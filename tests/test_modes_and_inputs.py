@@ -220,7 +220,7 @@ def test_mismatched_pairs_are_refused(tmp_path, pipeline):
         Pipeline.load(pipeline.target.info.path, other_words)
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(CheckpointError, match="only 'llama'"):
+    with pytest.raises(CheckpointError, match=r"model_type 'gpt2' is not supported \(supported: llama, mistral, qwen2, qwen3\)"):
         Pipeline.load(pipeline.target.info.path, tmp_path / "gpt2")
     with pytest.raises(CheckpointError, match="does not exist"):
         Pipeline.load(pipeline.target.info.path, tmp_path / "nowhere")

@@ -46,7 +46,7 @@ TENSORRTLLM_INPUTS = {
     "lora_weights": "FP16", "lora_config": "INT32", "guided_decoding_guide_type": "BYTES",
     "guided_decoding_guide": "BYTES",
     "min_tokens": "INT32", "seed": "UINT64", "return_num_input_tokens": "BOOL", "return_num_output_tokens": "BOOL"}
-SSD_INPUTS = {"decoding_mode": "BYTES", "num_draft_tokens": "INT32", "fanout": "INT32", "budget": "INT32",
+SSD_INPUTS = {"chat": "BOOL", "decoding_mode": "BYTES", "num_draft_tokens": "INT32", "fanout": "INT32", "budget": "INT32",
               "saguaro_factor": "FP32"}
 
 
@@ -272,6 +272,7 @@ BAD_REQUESTS = {
                                          ["seed", "random_seed"]),
     **{f"{name} that SSD cannot honour": (raw(TEXT, MAX_TOKENS, (name, array, datatype)), [name])
        for name, array, datatype in UNHONOURED_VALUES},
+    "chat without a chat template": (ensemble_inputs("the quick", 4, True, chat=True), ["chat"]),
 }
 PROMPT_IDS = one("input_ids", 5, "INT32")
 DIRECT_BAD_REQUESTS = {  # to the ssd model itself, in its own input names

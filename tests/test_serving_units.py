@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from saguaro.runtime.checkpoint import load_tokenizer
+from saguaro.runtime.prompts import chat_messages, encode_chat
 from saguaro.runtime.detokenizer import PREFIX_TOKENS, prefix_window, stream_text, text_delta
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline, RequestError
@@ -337,7 +339,7 @@ def test_a_generation_stopped_for_shutdown_says_so(pipeline):
 
 
 def test_text_codec_encodes_and_decodes_like_the_pipeline(pipeline, tiny_pair):
-    codec = TextCodec(tiny_pair / "target", pipeline.target.info.bos_token_id)
+    codec = TextCodec(tiny_pair / "target")
     for text in ("the quick", "café 日本", " x"):
         assert codec.encode(text) == pipeline.encode(text)
     ids = pipeline.encode("naïve 🌵 dog")
@@ -469,6 +471,21 @@ def test_a_guarded_server_does_not_start_once_its_launcher_is_gone():
     assert subprocess.run(guarded(1, "/bin/true")).returncode == 1  # pid 1 is not our parent
 
 
+def test_text_codec_renders_chat_turns_like_the_pipeline(pipeline, tiny_pair, tmp_path):
+    """With `chat` the text is a user turn in the model's template; without a template the
+    request is refused naming 'chat'."""
+    with pytest.raises(RequestError, match="input 'chat': this model has no chat template"):
+        TextCodec(tiny_pair / "target").encode("hi", chat=True)
+    tokenizer = load_tokenizer(tiny_pair / "target")
+    tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                               "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    tokenizer.save_pretrained(tmp_path / "chat")
+    ids = TextCodec(tmp_path / "chat").encode("the quick", chat=True)
+    assert tokenizer.decode(ids) == "<s>user: the quick</s><s>assistant:"
+    assert ids == encode_chat(tokenizer, chat_messages("the quick"))
+    assert ids.count(tokenizer.bos_token_id) == 2  # the template's own, nothing added
+
+
 # --- the prepared model repository -----------------------------------------------------
 
 def parameters_in(config_file) -> dict[str, str]:
@@ -483,7 +500,6 @@ def test_engines_fill_the_templates_from_their_manifest(tiny_engines, tmp_path):
     ssd, pre = parameters_in(repo / "ssd" / "config.pbtxt"), parameters_in(repo / "preprocessing" / "config.pbtxt")
     assert ssd["engines_dir"] == str(tiny_engines.resolve()) and ssd["target_dir"] == ""
     assert pre["tokenizer_dir"] == str(tiny_engines.resolve() / manifest["tokenizer"]["dir"])
-    assert pre["bos_token_id"] == str(manifest["models"]["target"]["bos_token_id"])
     assert (repo / "ensemble" / "1").is_dir() and (repo / "ssd" / "1" / "model.py").is_file()
     assert not any("${" in config.read_text() for config in repo.glob("*/config.pbtxt"))
     assert all("${" in config.read_text() for config in templates_dir().glob("[ps]*/config.pbtxt"))  # untouched

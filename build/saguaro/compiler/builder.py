@@ -27,10 +27,10 @@ from saguaro.compiler.config import BuildConfig, ConfigError, config_to_dict
 from saguaro.compiler.tensorrt_builder import TensorRTBuildOptions, build_engine, check_precision_support
 from saguaro.plugins.tensorrt_registry import import_tensorrt
 from saguaro.runtime.engines.manifest import MANIFEST_FILE, sha256_file, write_manifest
-from saguaro.runtime.checkpoint import (CheckpointError, check_pair_compatible, llama_shape, load_checkpoint,
-                                load_tokenizer, read_config, tokenizer_fingerprint)
+from saguaro.runtime.checkpoint import (CheckpointError, check_pair_compatible, end_of_generation_ids, llama_shape,
+                                        load_checkpoint, load_tokenizer, read_config, tokenizer_fingerprint)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 TOKENIZER_DIR = "tokenizer"
 # The graphs of each role, by backend. TensorRT parses standard ops (and does its own
@@ -206,10 +206,10 @@ def versions(config: BuildConfig) -> dict[str, str]:
 
 
 def model_entry(source: Source, graphs: dict[str, dict[str, str]], root: Path) -> dict:
-    eos = source.config.get("eos_token_id", source.tokenizer.eos_token_id)
+    eos = end_of_generation_ids(source.path, source.config, source.tokenizer)
     return {"checkpoint": str(source.path.resolve()), "config": source.config,
             "shape": dataclasses.asdict(source.shape), "tokenizer_fingerprint": source.fingerprint,
-            "bos_token_id": source.config.get("bos_token_id"), "eos_token_id": eos[0] if isinstance(eos, list) else eos,
+            "bos_token_id": source.config.get("bos_token_id"), "eos_token_id": eos[0] if eos else None, "eos_token_ids": list(eos),
             "graphs": graphs,
             "signatures": {stem: graph_signature(root / files["onnx"]) for stem, files in graphs.items()}}
 

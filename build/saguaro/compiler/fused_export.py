@@ -44,7 +44,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from saguaro.runtime.llama import LlamaShape, rope_inverse_frequencies
+from saguaro.runtime.llama import UNSCORED, LlamaShape, rope_inverse_frequencies
 
 MS_DOMAIN = "com.microsoft"
 OPSET = 23  # RMSNormalization
@@ -71,9 +71,13 @@ class GraphWriter:
                                            domain=domain, **attributes))
         return outputs
 
-    def linear(self, x: str, weight: torch.Tensor, name: str) -> str:
-        """`x @ weight.T` for a Hugging Face `[out, in]` weight (MatMulNBits replaces it later)."""
-        return self.node("MatMul", [x, self.constant(f"{name}.weight", as_array(weight).T)], [f"{name}/out"])[0]
+    def linear(self, x: str, weight: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> str:
+        """`x @ weight.T (+ bias)` for a Hugging Face `[out, in]` weight (MatMulNBits
+        replaces the MatMul later; a bias stays an Add)."""
+        out = self.node("MatMul", [x, self.constant(f"{name}.weight", as_array(weight).T)], [f"{name}/out"])[0]
+        if bias is None:
+            return out
+        return self.node("Add", [out, self.constant(f"{name}.bias", as_array(bias))], [f"{name}/biased"])[0]
 
 
 def as_array(tensor: torch.Tensor) -> np.ndarray:
@@ -110,27 +114,55 @@ def attention_bias(g: GraphWriter) -> str:
     return g.node("Unsqueeze", [bias, "/bias/head_axis"], ["/bias/attention_bias"])[0]
 
 
+def optional(state: dict, name: str) -> torch.Tensor | None:
+    return state.get(name)
+
+
 def attention(g: GraphWriter, shape: LlamaShape, state: dict, layer: int, x: str, bias: str) -> str:
+    """Packed QKV into GroupQueryAttention; with per-head q/k norms (Qwen3) q, k and v go
+    in apart, q and k normed per head first (RoPE stays inside the attention op)."""
     prefix = f"model.layers.{layer}.self_attn"
     qkv_weight = torch.cat([state[f"{prefix}.{p}_proj.weight"] for p in "qkv"])
-    qkv = g.linear(x, qkv_weight, f"{prefix}.qkv_proj")
-    inputs = [qkv, "", "", f"past_key.{layer}", f"past_value.{layer}", "seqlens_k", "total_sequence_length",
+    qkv_bias = torch.cat([state[f"{prefix}.{p}_proj.bias"] for p in "qkv"]) if shape.qkv_bias else None
+    qkv = g.linear(x, qkv_weight, f"{prefix}.qkv_proj", qkv_bias)
+    queries = [qkv, "", ""] if not shape.qk_norm else normed_q_k_v(g, shape, state, layer, qkv)
+    inputs = [*queries, f"past_key.{layer}", f"past_value.{layer}", "seqlens_k", "total_sequence_length",
               "cos_cache", "sin_cache", "position_ids", bias,
-              "", "", "", "", "", "query_seqlens"]  # head_sink, k/v scales, q/k norms: unused
+              "", "", "", "", "", "query_seqlens"]  # head_sink, k/v scales, q/k norm weights: unused
     out = g.node("GroupQueryAttention", inputs, [f"/l{layer}/attention", f"present_key.{layer}",
                                                  f"present_value.{layer}"],
                  domain=MS_DOMAIN, num_heads=shape.num_heads, kv_num_heads=shape.num_kv_heads, do_rotary=1,
                  causal=1, scale=float(shape.head_dim) ** -0.5)[0]
-    return g.linear(out, state[f"{prefix}.o_proj.weight"], f"{prefix}.o_proj")
+    return g.linear(out, state[f"{prefix}.o_proj.weight"], f"{prefix}.o_proj",
+                    optional(state, f"{prefix}.o_proj.bias"))
+
+
+def normed_q_k_v(g: GraphWriter, shape: LlamaShape, state: dict, layer: int, qkv: str) -> list[str]:
+    """Split the packed projection and RMS-norm each head of q and k over head_dim."""
+    prefix, d = f"model.layers.{layer}.self_attn", shape.head_dim
+    sizes = [shape.num_heads * d, shape.num_kv_heads * d, shape.num_kv_heads * d]
+    split = g.constant(f"/l{layer}/qkv_sizes", np.array(sizes, np.int64))
+    q, k, v = g.node("Split", [qkv, split], [f"/l{layer}/q", f"/l{layer}/k", f"/l{layer}/v"], axis=-1)
+    heads = g.constant(f"/l{layer}/by_head", np.array([0, 0, -1, d], np.int64))
+    flat = g.constant(f"/l{layer}/flat_heads", np.array([0, 0, -1], np.int64))
+    normed = []
+    for name, tensor in (("q_norm", q), ("k_norm", k)):
+        weight = g.constant(f"{prefix}.{name}.weight", as_array(state[f"{prefix}.{name}.weight"]))
+        per_head = g.node("Reshape", [tensor, heads], [f"/l{layer}/{name}/heads"])[0]
+        out = g.node("RMSNormalization", [per_head, weight], [f"/l{layer}/{name}/normed"], axis=-1,
+                     epsilon=shape.rms_norm_eps)[0]
+        normed.append(g.node("Reshape", [out, flat], [f"/l{layer}/{name}/out"])[0])
+    return [*normed, v]
 
 
 def mlp(g: GraphWriter, state: dict, layer: int, x: str) -> str:
     prefix = f"model.layers.{layer}.mlp"
-    gate = g.linear(x, state[f"{prefix}.gate_proj.weight"], f"{prefix}.gate_proj")
-    up = g.linear(x, state[f"{prefix}.up_proj.weight"], f"{prefix}.up_proj")
-    silu = g.node("QuickGelu", [gate], [f"/l{layer}/silu"], domain=MS_DOMAIN, alpha=1.0)[0]
-    gated = g.node("Mul", [silu, up], [f"/l{layer}/gated"])[0]
-    return g.linear(gated, state[f"{prefix}.down_proj.weight"], f"{prefix}.down_proj")
+    gate, up, down = (f"{prefix}.{p}_proj" for p in ("gate", "up", "down"))
+    gate_out = g.linear(x, state[f"{gate}.weight"], gate, optional(state, f"{gate}.bias"))
+    up_out = g.linear(x, state[f"{up}.weight"], up, optional(state, f"{up}.bias"))
+    silu = g.node("QuickGelu", [gate_out], [f"/l{layer}/silu"], domain=MS_DOMAIN, alpha=1.0)[0]
+    gated = g.node("Mul", [silu, up_out], [f"/l{layer}/gated"])[0]
+    return g.linear(gated, state[f"{down}.weight"], down, optional(state, f"{down}.bias"))
 
 
 def skip_norm(g: GraphWriter, hidden: str, residual: str | None, weight: str, eps: float, name: str):
@@ -145,7 +177,11 @@ def skip_norm(g: GraphWriter, hidden: str, residual: str | None, weight: str, ep
 
 def lm_head(g: GraphWriter, shape: LlamaShape, state: dict, x: str, embed: str, precision: str) -> str:
     """Tied embeddings at fp32 reuse the table through Gemm(transB) instead of a second copy;
-    quantised precisions quantise their own (small) copy."""
+    quantised precisions quantise their own (small) copy. A draft that scores part of the
+    vocabulary (`output_vocab`) spreads its rows over the whole vocabulary, every other
+    token at `UNSCORED` (probability 0), as `llama.Llama` does."""
+    if shape.output_vocab:
+        return partial_vocabulary(g, shape, state, g.linear(x, state["lm_head.weight"], "lm_head"))
     if "lm_head.weight" in state and not shape.tie_word_embeddings:
         return g.linear(x, state["lm_head.weight"], "lm_head")
     if precision in QUANTIZED_BITS:
@@ -159,6 +195,14 @@ def lm_head(g: GraphWriter, shape: LlamaShape, state: dict, x: str, embed: str, 
                      g.constant("/lm_head/two", np.array([2], np.int64))], ["/lm_head/batch_seq"])
     g.node("Concat", ["/lm_head/batch_seq", "/lm_head/vocab"], ["/lm_head/out_shape"], axis=0)
     return g.node("Reshape", [flat, "/lm_head/out_shape"], ["lm_head/out"])[0]
+
+
+def partial_vocabulary(g: GraphWriter, shape: LlamaShape, state: dict, scored: str) -> str:
+    pads = g.constant("/lm_head/pads", np.array([0, 0, 0, 0, 0, 1], np.int64))  # one column after the last
+    padded = g.node("Pad", [scored, pads, g.constant("/lm_head/unscored", np.array(UNSCORED, np.float32))],
+                    ["/lm_head/padded"])[0]
+    rows = g.constant("output_rows", state["output_rows"].numpy().astype(np.int64))
+    return g.node("Gather", [padded, rows], ["/lm_head/spread"], axis=-1)[0]
 
 
 def model_graph(shape: LlamaShape, state: dict, precision: str, max_positions: int) -> onnx.ModelProto:

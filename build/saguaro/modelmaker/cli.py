@@ -1,21 +1,26 @@
-"""Make the target/draft model pair the runtime, tests and benchmarks use.
+"""Make the target/draft model pair the runtime, tests and benchmarks use, or a draft for a target.
 
     python scripts/make_models.py --size tiny             # models/tiny, about 30 s
     python scripts/make_models.py --size bench            # models/bench, about 25 min
     python scripts/make_models.py --size tiny --out /tmp/pair --seed 1 --force
+    python scripts/make_models.py --draft-for models/smollm2 --out models/smollm2-draft [--preset quick]
 
-An existing pair with the same size and seed is kept unless --force is given.
+An existing pair with the same size and seed (or draft with the same settings) is kept
+unless --force is given.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import json
 from pathlib import Path
 
+from saguaro.modelmaker import draft_for
 from saguaro.modelmaker.acceptance import format_acceptance
 from saguaro.modelmaker.model_pair import PRESETS, make_pair
+from saguaro.runtime.checkpoint import CheckpointError
 
 
 def non_negative_int(text: str) -> int:
@@ -30,11 +35,23 @@ def non_negative_int(text: str) -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="make_models.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", required=True, choices=sorted(PRESETS), help="pair preset")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--size", choices=sorted(PRESETS), help="pair preset")
+    what.add_argument("--draft-for", type=Path, metavar="TARGET_DIR",
+                      help="make a draft for this target checkpoint (pruned and distilled from it)")
     parser.add_argument("--out", type=Path, help="output folder (default: models/<size>)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="training seed")
     parser.add_argument("--force", action="store_true", help="remake an existing pair")
+    drafting = parser.add_argument_group("with --draft-for")
+    drafting.add_argument("--preset", choices=sorted(draft_for.PRESETS), default="full",
+                          help="full: the 30-minute draft; quick: about two minutes, weaker")
+    drafting.add_argument("--layers", type=int, help="target layers the draft keeps (default 4)")
+    drafting.add_argument("--output-vocab", type=int, help="tokens the draft scores (default 8192)")
+    drafting.add_argument("--steps", type=int, help="distillation steps")
+    drafting.add_argument("--threads", type=int, help="torch threads (default 2)")
     args = parser.parse_args(argv)
+    if args.draft_for is not None and args.out is None:
+        parser.error("--draft-for needs --out")
     args.out = args.out if args.out is not None else Path("models") / args.size
     # The nearest existing path must be a folder; mkdir would otherwise fail mid-way.
     existing = next((p for p in (args.out, *args.out.parents) if p.exists()), None)
@@ -65,8 +82,54 @@ def describe(report: dict) -> str:
     )
 
 
+def draft_settings(args: argparse.Namespace) -> draft_for.DraftSettings:
+    settings = draft_for.PRESETS[args.preset]
+    changes = {"num_layers": args.layers, "output_vocab": args.output_vocab, "threads": args.threads,
+               "seed": args.seed}
+    settings = dataclasses.replace(settings, **{k: v for k, v in changes.items() if v is not None})
+    if args.steps is not None:
+        settings = dataclasses.replace(settings, train=dataclasses.replace(settings.train, steps=args.steps))
+    return settings
+
+
+def existing_draft(out_dir: Path, settings: draft_for.DraftSettings) -> dict | None:
+    try:
+        report = json.loads((out_dir / draft_for.REPORT_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return report if report.get("settings") == json.loads(json.dumps(dataclasses.asdict(settings))) else None
+
+
+def describe_draft(report: dict) -> str:
+    weights = report["decode_weights"]
+    return (f"draft: target layers {report['layers']}, {report['output_vocab']} output tokens (covering "
+            f"{report['output_coverage']:.3f} of held-out target tokens); decode weights "
+            f"{weights['draft'] / 1e6:.1f}M vs the target's {weights['target'] / 1e6:.1f}M "
+            f"({weights['target'] / weights['draft']:.1f}x); seconds {report['seconds']}\n"
+            f"before distillation: {format_acceptance(report['acceptance_before_distillation'])}\n"
+            f"after distillation:  {format_acceptance(report['acceptance'])}")
+
+
+def make_draft(args: argparse.Namespace) -> int:
+    settings = draft_settings(args)
+    report = None if args.force else existing_draft(args.out, settings)
+    if report is not None:
+        print(f"{args.out} already holds a draft made with these settings (--force remakes it)")
+    else:
+        try:
+            report = draft_for.make_draft_for(args.draft_for, args.out, settings)
+        except (CheckpointError, ValueError) as error:
+            print(f"make_models.py: error: {error}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.out}")
+    print(describe_draft(report))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.draft_for is not None:
+        return make_draft(args)
     report = None if args.force else existing_report(args.out, args.size, args.seed)
     if report is not None:
         kept = f"{args.out} already holds the {args.size} pair, seed {args.seed}"

@@ -43,7 +43,7 @@ def is_heartbeat(request) -> bool:
 class TritonPythonModel:
     def initialize(self, args):
         parameters = model_parameters(args)
-        self.codec = TextCodec(parameters["tokenizer_dir"], bos_token_id=None)
+        self.codec = TextCodec(parameters["tokenizer_dir"])
         self.generation_model = parameters["generation_model"]
 
     def execute(self, requests):

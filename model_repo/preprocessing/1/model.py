@@ -1,10 +1,12 @@
 """Triton `preprocessing`: the prompt text to token ids, stop words to a word list.
 
 Encodes exactly as the runtime does (`saguaro.serving.requests.TextCodec`), so the ids the SSD
-model receives are the ones `Pipeline.encode` would give for the same text. It is the
-ensemble's front door, so it checks what only the text side can name: the required
-inputs (Triton 2.51 counts inputs rather than naming them) and a prompt too long for
-the context, reported as `text_input`, which is what the client sent.
+model receives are the ones `Pipeline.encode` would give for the same text; with `chat`
+true the text is one user turn rendered with the model's chat template, as
+`Pipeline.encode_chat` renders it. It is the ensemble's front door, so it checks what
+only the text side can name: the required inputs (Triton 2.51 counts inputs rather than
+naming them) and a prompt too long for the context, reported as `text_input`, which is
+what the client sent.
 """
 
 import numpy as np
@@ -27,8 +29,7 @@ def strings_of(request, name: str) -> list[str]:
 class TritonPythonModel:
     def initialize(self, args):
         parameters = serving.model_parameters(args)
-        bos = parameters.get("bos_token_id", "").strip()
-        self.codec = serving.TextCodec(parameters["tokenizer_dir"], int(bos) if bos else None)
+        self.codec = serving.TextCodec(parameters["tokenizer_dir"])
         self.max_context = int(parameters["max_context"])
 
     def execute(self, requests):
@@ -53,7 +54,8 @@ class TritonPythonModel:
             raise serving.RequestError("input 'bad_words' is not supported by the SSD model; "
                                        "send it empty or leave it out")
         stop_words = serving.split_words(strings_of(request, "STOP_WORDS_DICT"))
-        input_ids = self.codec.encode(queries[0])
+        chat = pb_utils.get_input_tensor_by_name(request, "CHAT")
+        input_ids = self.codec.encode(queries[0], chat=chat is not None and bool(chat.as_numpy().reshape(-1)[0]))
         serving.check_prompt_fits(len(input_ids), self.max_context, "text_input")
         word_list = serving.word_list(self.codec.encode_word, stop_words)
         return [pb_utils.Tensor("INPUT_ID", np.array([input_ids], dtype=np.int32)),

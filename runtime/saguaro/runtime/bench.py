@@ -3,6 +3,7 @@ time goes. Speed is reported as figures and ratios, never asserted (machines are
 
     python scripts/bench.py --target models/bench/target --draft models/bench/draft
     python scripts/bench.py --engines engines/bench -k 4 --budget 8
+    python scripts/bench.py --engines engines/smollm2 --chat    # a chat model: questions as chat turns
 
 First the engine-level costs (median ms of one forward: target decode, target verify of
 K+1 tokens, draft decode, draft tree step of B branches), then each mode over the same
@@ -28,6 +29,9 @@ PROMPTS = ["The with statement is used to", "A class definition defines a class 
            "Exceptions are raised by", "The import statement", "If the syntax",
            "Assignment statements are used to", "The for statement is used to iterate",
            "A function definition defines a user-defined function object"]
+CHAT_PROMPTS = ["What is the capital of France?", "Explain how a rainbow forms.", "Write a haiku about the sea.",
+                "Give me three tips for learning Python.", "Why is the sky blue?", "What is a prime number?",
+                "Describe a cat to someone who has never seen one.", "How do vaccines work?"]
 
 
 def parse_args(argv=None):
@@ -41,6 +45,7 @@ def parse_args(argv=None):
     parser.add_argument("--budget", type=flag_type(parse_budget), help="B, or 'auto'")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=4, help="how many of the built-in prompts")
+    parser.add_argument("--chat", action="store_true", help="chat questions rendered with the model's template")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--saguaro", type=float, metavar="C", help="also run ssd with Saguaro sampling factor C")
     parser.add_argument("--repeats", type=int, default=20, help="forwards per engine-level timing")
@@ -86,6 +91,7 @@ def engine_costs(pipeline, k: int, branches: int, repeats: int) -> None:
     print(f"engine-level cost, median ms at {past} cached tokens:")
     for name, ms in rows:
         print(f"  {name:34s} {ms:8.2f}")
+    print(f"  a draft decode step costs 1/{rows[0][1] / rows[2][1]:.1f} of a target decode step")
     hidden = [b for b, ms in prespeculation.items() if ms <= verify]
     print(f"  pre-speculation (glue + {k} tree steps) against a {verify:.2f} ms verify: "
           + ", ".join(f"B={b} {ms:.2f} ms" for b, ms in prespeculation.items()))
@@ -94,10 +100,11 @@ def engine_costs(pipeline, k: int, branches: int, repeats: int) -> None:
 
 
 def run_mode(pipeline, prompts, options, sampling):
+    """`prompts`: token ids of each prompt."""
     totals = {"tokens": 0, "total_s": 0.0, "verify_s": 0.0, "draft_s": 0.0, "wait_s": 0.0,
               "rounds": 0, "accepted": 0, "cache_hits": 0, "cache_misses": 0}
     for prompt in prompts:
-        stats = pipeline.generate(pipeline.encode(prompt), options, sampling).stats
+        stats = pipeline.generate(prompt, options, sampling).stats
         for key in ("tokens", "total_s", "verify_s", "draft_s", "wait_s", "rounds", "cache_hits", "cache_misses"):
             totals[key] += getattr(stats, key)
         totals["accepted"] += stats.mean_accepted * stats.rounds
@@ -116,7 +123,8 @@ def main(argv=None) -> int:
     engine_costs(pipeline, k, branches, args.repeats)
 
     sampling = SamplingParams(temperature=args.temperature, seed=0)  # every mode draws the same randomness
-    prompts = PROMPTS[: args.prompts]
+    encode = pipeline.encode_chat if args.chat else pipeline.encode
+    prompts = [encode(text) for text in (CHAT_PROMPTS if args.chat else PROMPTS)[: args.prompts]]
     modes = [("autoregressive", DecodeOptions(mode="autoregressive", max_tokens=args.max_tokens)),
              (f"speculative K={k}", DecodeOptions(mode="speculative", num_draft_tokens=k, max_tokens=args.max_tokens)),
              (f"ssd K={k} B={branches}", DecodeOptions(mode="ssd", num_draft_tokens=k, max_tokens=args.max_tokens,

@@ -1,6 +1,11 @@
-"""Load any local Hugging Face Llama checkpoint (config.json + safetensors + tokenizer).
+"""Load a local Hugging Face checkpoint of the Llama family (config.json + safetensors + tokenizer).
 
-No hub access ever: paths are local folders, and a folder that is not a Llama checkpoint
+Architectures (`model_type`): llama, mistral, qwen2 (q/k/v biases), qwen3 (per-head q/k
+RMSNorm), all run by the one `llama.Llama` with the switches of `LlamaShape`. A sliding
+attention window (Mistral, Qwen with `use_sliding_window`) becomes the context limit:
+within the window, windowed attention is full attention, so the computation stays exact.
+
+No hub access ever: paths are local folders, and a folder that is not such a checkpoint
 fails with a message that names the folder and what is wrong, before any weights load.
 """
 from __future__ import annotations
@@ -21,6 +26,11 @@ ROPE_SCALING_KEYS = {"linear": ("factor",),
                                 "original_max_position_embeddings")}
 
 
+# A config.json key of this project's drafts that score part of the vocabulary (see
+# `llama.LlamaShape.output_vocab`); transformers does not know it.
+OUTPUT_VOCAB_KEY = "saguaro_output_vocab"
+
+
 class CheckpointError(ValueError):
     """A checkpoint folder is missing, malformed, or not something this runtime can run."""
 
@@ -32,7 +42,7 @@ class Checkpoint:
     model: Llama
     tokenizer: object  # a transformers PreTrainedTokenizerFast
     bos_token_id: int | None
-    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # generation stops at any of them
 
 
 def read_config(path: Path) -> dict:
@@ -45,14 +55,37 @@ def read_config(path: Path) -> dict:
     return json.loads(config_file.read_text())
 
 
-def llama_shape(config: dict, where: str = "config") -> LlamaShape:
-    """Validate a Hugging Face config dict as a plain Llama and return its shape."""
+def architecture_switches(config: dict, where: str) -> dict:
+    """The `LlamaShape` switches of a config's `model_type`; others are refused by name."""
     model_type = config.get("model_type")
-    if model_type != "llama":
-        raise CheckpointError(f"{where}: model_type is {model_type!r}; only 'llama' checkpoints are supported")
-    for flag in ("attention_bias", "mlp_bias"):
-        if config.get(flag):
-            raise CheckpointError(f"{where}: {flag}=true is not supported")
+    attention_bias = bool(config.get("attention_bias", False))
+    switches = {
+        "llama": dict(qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(config.get("mlp_bias", False))),
+        "mistral": {},
+        "qwen2": dict(qkv_bias=True),
+        "qwen3": dict(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True),
+    }
+    if model_type not in switches:
+        raise CheckpointError(f"{where}: model_type {model_type!r} is not supported "
+                              f"(supported: {', '.join(switches)})")
+    activation = config.get("hidden_act", "silu")
+    if activation != "silu":
+        raise CheckpointError(f"{where}: hidden_act {activation!r} is not supported (only silu)")
+    return {**switches[model_type], "model_type": model_type}
+
+
+def attention_window(config: dict) -> int | None:
+    """The sliding window when any layer uses one (Mistral always; Qwen when enabled)."""
+    window = config.get("sliding_window")
+    if config.get("model_type") == "mistral":
+        return window
+    sliding_layers = "sliding_attention" in (config.get("layer_types") or [])
+    return window if window and (sliding_layers or config.get("use_sliding_window")) else None
+
+
+def llama_shape(config: dict, where: str = "config") -> LlamaShape:
+    """Validate a Hugging Face config dict of the Llama family and return its shape."""
+    switches = architecture_switches(config, where)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -65,6 +98,8 @@ def llama_shape(config: dict, where: str = "config") -> LlamaShape:
     rope_scaling = tuple(sorted([("rope_type", rope_type)] + [(key, rope[key]) for key in scaling_keys])) \
         if scaling_keys else ()
     heads = config["num_attention_heads"]
+    window = attention_window(config)
+    context = min(config["max_position_embeddings"], window or config["max_position_embeddings"])
     return LlamaShape(
         vocab_size=config["vocab_size"],
         hidden_size=config["hidden_size"],
@@ -75,9 +110,11 @@ def llama_shape(config: dict, where: str = "config") -> LlamaShape:
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-        max_position_embeddings=config["max_position_embeddings"],
+        max_position_embeddings=context,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=rope_scaling,
+        output_vocab=int(config.get(OUTPUT_VOCAB_KEY, 0)),
+        **switches,
     )
 
 
@@ -106,7 +143,7 @@ def build_model(shape: LlamaShape, state: dict[str, torch.Tensor], where: str) -
     missing = [name for name in missing if not (shape.tie_word_embeddings and name == "lm_head.weight")]
     unexpected = [name for name in unexpected if not name.endswith("rotary_emb.inv_freq")]
     if missing or unexpected:
-        raise CheckpointError(f"{where}: weights do not match a Llama of this config "
+        raise CheckpointError(f"{where}: weights do not match a {shape.model_type} model of this config "
                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     return model.eval()
 
@@ -117,10 +154,19 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     shape = llama_shape(config, where=str(path))
     tokenizer = load_tokenizer(path)
     model = build_model(shape, read_state_dict(path), where=str(path))
-    eos = config.get("eos_token_id", tokenizer.eos_token_id)
-    if isinstance(eos, list):
-        eos = eos[0]
-    return Checkpoint(path, shape, model, tokenizer, config.get("bos_token_id"), eos)
+    return Checkpoint(path, shape, model, tokenizer, config.get("bos_token_id"),
+                      end_of_generation_ids(path, config, tokenizer))
+
+
+def end_of_generation_ids(path: Path, config: dict, tokenizer) -> tuple[int, ...]:
+    """The tokens generation stops at: generation_config.json's `eos_token_id` (a chat
+    model lists its end-of-turn token and its end-of-text token there), else config.json's,
+    else the tokenizer's EOS. One id or a list; empty when none is known."""
+    generation_file = Path(path) / "generation_config.json"
+    generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
+    eos = generation.get("eos_token_id", config.get("eos_token_id", tokenizer.eos_token_id))
+    eos = eos if isinstance(eos, list) else [eos]
+    return tuple(dict.fromkeys(int(token) for token in eos if token is not None))
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -2,6 +2,7 @@
 
     python scripts/generate.py --mode ssd --prompt "The with statement" --max-tokens 64
     python scripts/generate.py --engines engines/tiny --json ...
+    python scripts/generate.py --engines engines/smollm2 --chat --prompt "What is the capital of France?"
 
 Every flag is validated before a model loads; a bad value exits with code 2 and a
 message naming it.
@@ -30,6 +31,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     source.add_argument("--engines", type=Path, help="a folder made by scripts/build_engines.py")
     add_decoding_arguments(parser)
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--chat", action="store_true",
+                        help="the prompt is a user message: render it with the model's chat template "
+                             "(generation stops at the model's end-of-turn token)")
+    parser.add_argument("--system", help="with --chat: a system prompt (default: the template's own)")
     parser.add_argument("--max-tokens", type=int, default=DECODE_DEFAULTS.max_tokens)
     add_sampling_arguments(parser)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per model")
@@ -44,9 +49,12 @@ def report(pipeline, generation) -> dict:
             "seed": generation.seed, "stats": stats}
 
 
-def print_human(result: dict, prompt: str, sampled: bool) -> None:
+def print_human(result: dict, prompt: str, chat: bool, sampled: bool) -> None:
     stats = result["stats"]
-    print(f"{prompt}\033[1m{result['text']}\033[0m")
+    if chat:
+        print(f"user: {prompt}\nassistant: \033[1m{result['text']}\033[0m")
+    else:
+        print(f"{prompt}\033[1m{result['text']}\033[0m")
     replay = f", seed {result['seed']}" if sampled else ""
     print(f"\n[{stats['mode']}] {stats['tokens']} tokens in {stats['total_s']:.3f} s "
           f"({stats['tokens_per_s']:.1f} tok/s), {stats['rounds']} rounds, finish: {result['finish_reason']}{replay}")
@@ -70,7 +78,9 @@ def main(argv=None) -> int:
             pipeline = Pipeline.load(engines=args.engines, threads=args.threads, options=options)
         else:
             pipeline = Pipeline.load(target=args.target, draft=args.draft, threads=args.threads)
-        prompt_ids = pipeline.encode(args.prompt)
+        if args.system and not args.chat:
+            raise ValueError("--system needs --chat")
+        prompt_ids = pipeline.encode_chat(args.prompt, args.system) if args.chat else pipeline.encode(args.prompt)
         pipeline.check_request(prompt_ids, options)
     except ValueError as error:
         print(f"generate.py: error: {error}", file=sys.stderr)
@@ -79,7 +89,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print_human(result, args.prompt, sampled=not sampling.greedy)
+        print_human(result, args.prompt, args.chat, sampled=not sampling.greedy)
     return 0
 
 

@@ -67,10 +67,15 @@ class EngineInfo:
     path: str
     vocab_size: int
     max_context: int
-    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # generation stops at any of them (e.g. end of turn, end of text)
     bos_token_id: int | None
     tokenizer_fingerprint: str
     limits: EngineLimits | None = None  # None: no limit beyond max_context (torch engines)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first (main) end-of-generation token."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     @property
     def max_draft_tokens(self) -> int | None:

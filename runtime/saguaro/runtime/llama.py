@@ -1,5 +1,13 @@
 """A pure-torch Llama that runs Hugging Face Llama checkpoints against an explicit KV cache.
 
+One implementation with small switches covers the Llama family's variants (`LlamaShape`):
+q/k/v (and o) projection biases (Qwen2; Llama's `attention_bias`), per-head RMSNorm of q
+and k before RoPE (Qwen3), biased MLPs (Llama's `mlp_bias`); Mistral is a Llama whose
+sliding window the loader turns into a context limit. A draft may score only part of the
+vocabulary (`output_vocab`): its lm_head has that many rows, and every other token gets
+`UNSCORED` logits, so its probability is exactly 0 and speculative decoding, which only
+ever accepts what the target would produce, stays lossless.
+
 Why not `LlamaForCausalLM` itself: speculative decoding needs control the Hugging Face
 forward does not give cleanly: arbitrary positions and a full boolean attention mask per
 query (tree/branch drafting), truncation, and gathering cache entries to commit a branch.
@@ -37,6 +45,12 @@ class LlamaShape:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rope_scaling: tuple = ()
+    qkv_bias: bool = False   # biases on q_proj, k_proj, v_proj (Qwen2, Llama attention_bias)
+    o_bias: bool = False     # a bias on o_proj (Llama attention_bias)
+    mlp_bias: bool = False   # biases on gate/up/down (Llama mlp_bias)
+    qk_norm: bool = False    # RMSNorm over each head of q and k, before RoPE (Qwen3)
+    model_type: str = "llama"
+    output_vocab: int = 0    # a draft's lm_head rows when it scores part of the vocabulary; 0: all
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -58,20 +72,24 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, shape: LlamaShape):
         super().__init__()
-        h, d = shape.hidden_size, shape.head_dim
-        self.q_proj = nn.Linear(h, shape.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, shape.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, shape.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(shape.num_heads * d, h, bias=False)
+        h, d, bias = shape.hidden_size, shape.head_dim, shape.qkv_bias
+        self.q_proj = nn.Linear(h, shape.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, shape.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, shape.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(shape.num_heads * d, h, bias=shape.o_bias)
+        if shape.qk_norm:
+            self.q_norm = RMSNorm(d, shape.rms_norm_eps)
+            self.k_norm = RMSNorm(d, shape.rms_norm_eps)
         self.shape = shape
 
 
 class MLP(nn.Module):
     def __init__(self, shape: LlamaShape):
         super().__init__()
-        self.gate_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+        h, i, bias = shape.hidden_size, shape.intermediate_size, shape.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -144,24 +162,33 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(1))
 
 
+UNSCORED = -1e9  # the logit of a token outside a draft's output vocabulary: probability 0
+
+
 class Llama(nn.Module):
     def __init__(self, shape: LlamaShape):
         super().__init__()
         self.shape = shape
         self.model = LlamaBody(shape)
-        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.output_vocab or shape.vocab_size, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if shape.output_vocab:
+            # For every token id: the lm_head row that scores it, or `output_vocab` (a row of
+            # UNSCORED appended to the logits) for tokens the draft never proposes.
+            self.register_buffer("output_rows", torch.full((shape.vocab_size,), shape.output_vocab))
         self.inv_freq = rope_inverse_frequencies(shape)  # a constant, not a parameter
 
     def _project_qkv(self, layer: DecoderLayer, h: torch.Tensor, cos, sin):
         batch, n, _ = h.shape
         attn, d = layer.self_attn, self.shape.head_dim
         x = layer.input_layernorm(h)
-        q = attn.q_proj(x).view(batch, n, -1, d).transpose(1, 2)
-        k = attn.k_proj(x).view(batch, n, -1, d).transpose(1, 2)
+        q = attn.q_proj(x).view(batch, n, -1, d)
+        k = attn.k_proj(x).view(batch, n, -1, d)
         v = attn.v_proj(x).view(batch, n, -1, d).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        if self.shape.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v
 
     def _finish_layer(self, layer: DecoderLayer, h, q, keys, values, mask) -> torch.Tensor:
         batch, n, _ = h.shape
@@ -169,12 +196,26 @@ class Llama(nn.Module):
         h = h + layer.self_attn.o_proj(out)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def output_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """lm_head rows only: `[.., output_vocab or vocab_size]` (what a draft trains on)."""
         return self.lm_head(self.model.norm(h)).float()
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.output_logits(h)
+        if not self.shape.output_vocab:
+            return logits
+        padded = F.pad(logits, (0, 1), value=UNSCORED)
+        return padded[..., self.output_rows]  # a Gather: [.., vocab_size]
 
     def forward_concat(self, input_ids, position_ids, attention_mask, past_keys, past_values):
         """Export form. `past_*` `[layers, batch, kv_heads, past, head_dim]`;
         `attention_mask` `[batch, n, past + n]` bool. Returns logits and present K/V."""
+        h, present_keys, present_values = self.hidden_concat(input_ids, position_ids, attention_mask,
+                                                             past_keys, past_values)
+        return self._logits(h), present_keys, present_values
+
+    def hidden_concat(self, input_ids, position_ids, attention_mask, past_keys, past_values):
+        """`forward_concat` up to the last hidden states (before the final norm)."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq)
         present_keys, present_values = [], []
@@ -185,7 +226,15 @@ class Llama(nn.Module):
             present_keys.append(keys)
             present_values.append(values)
             h = self._finish_layer(layer, h, q, keys, values, attention_mask)
-        return self._logits(h), torch.stack(present_keys), torch.stack(present_values)
+        return h, torch.stack(present_keys), torch.stack(present_values)
+
+    @torch.inference_mode()
+    def forward_sequence(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One sequence from position 0, no cache kept: logits `[n, vocab]` (for checks)."""
+        n, (layers, heads, dim) = len(tokens), self.shape.kv_shape
+        empty = torch.zeros(layers, 1, heads, 0, dim)
+        mask = torch.ones(n, n, dtype=torch.bool).tril()
+        return self.forward_concat(tokens[None], torch.arange(n)[None], mask[None], empty, empty)[0][0]
 
     @torch.inference_mode()
     def forward_packed(self, kv: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, past: torch.Tensor,

@@ -18,6 +18,7 @@ from saguaro.runtime.decoding import Cancelled, Decoder, Generation, OnTokens, R
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.torch_engine import TorchEngine
 from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.prompts import PromptError, chat_messages, encode_chat, encode_text
 from saguaro.runtime.sampling import SamplingParams
 
 
@@ -80,11 +81,18 @@ class Pipeline:
         return self.target.info.max_context
 
     def encode(self, text: str) -> list[int]:
-        if not isinstance(text, str) or not text:
-            raise RequestError("prompt is empty: give at least one character of text")
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        bos = self.target.info.bos_token_id
-        return ([bos] if bos is not None else []) + ids
+        """A plain prompt, encoded as its tokenizer says (see `prompts`)."""
+        try:
+            return encode_text(self.tokenizer, text)
+        except PromptError as error:
+            raise RequestError(str(error)) from None
+
+    def encode_chat(self, user: str, system: str | None = None) -> list[int]:
+        """One user turn rendered with the checkpoint's chat template, assistant turn opened."""
+        try:
+            return encode_chat(self.tokenizer, chat_messages(user, system))
+        except PromptError as error:
+            raise RequestError(str(error)) from None
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -123,9 +131,10 @@ class Pipeline:
         return Request(prompt_ids, options, sampling.with_seed(), self.end_tokens(options), on_tokens, cancelled)
 
     def end_tokens(self, options: DecodeOptions) -> frozenset[int]:
-        """The model's end token unless the request names one; -1: never stop early."""
-        eos = self.target.info.eos_token_id if options.eos_token_id is None else options.eos_token_id
-        return frozenset() if eos is None or eos == -1 else frozenset([eos])
+        """The model's end-of-generation tokens, or the one a request names (-1: none)."""
+        if options.eos_token_id is None:
+            return frozenset(self.target.info.eos_token_ids)
+        return frozenset() if options.eos_token_id == -1 else frozenset([options.eos_token_id])
 
     def generate(self, prompt_ids: list[int], options: DecodeOptions, sampling: SamplingParams,
                  on_tokens: OnTokens | None = None, cancelled: Cancelled = lambda: False) -> Generation:

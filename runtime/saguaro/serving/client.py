@@ -28,7 +28,7 @@ from saguaro.runtime.options import MODES, parse_fanout
 MODEL = "ensemble"
 # Optional ensemble inputs: name -> numpy dtype (the values' shape is [1, n]). Beyond
 # these, the ensemble takes tensorrtllm_backend's other inputs (saguaro/serving/interface.py).
-OPTIONAL_INPUTS = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "seed": np.uint64,
+OPTIONAL_INPUTS = {"chat": bool, "temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "seed": np.uint64,
                    "random_seed": np.uint64, "end_id": np.int32, "min_length": np.int32, "min_tokens": np.int32,
                    "exclude_input_in_output": bool, "stop_words": object, "bad_words": object,
                    "decoding_mode": object, "num_draft_tokens": np.int32, "fanout": np.int32, "budget": np.int32,
@@ -178,6 +178,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-tokens", type=int, required=True)
     parser.add_argument("--stream", action="store_true", help="print the text as each round arrives")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a user message, rendered with the model's chat template")
     parser.add_argument("--temperature", type=float, help="0 = greedy (the default)")
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--top-p", type=float)
@@ -204,7 +206,8 @@ def print_summary(completion: Completion) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    inputs = ensemble_inputs(args.prompt, args.max_tokens, args.stream, temperature=args.temperature,
+    inputs = ensemble_inputs(args.prompt, args.max_tokens, args.stream, chat=args.chat or None,
+                             temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, end_id=args.end_id,
                              stop_words=args.stop_words, decoding_mode=args.decoding_mode,
                              num_draft_tokens=args.num_draft_tokens, fanout=args.fanout, budget=args.budget,
@@ -214,7 +217,7 @@ def main(argv=None) -> int:
         with grpcclient.InferenceServerClient(args.url) as client:
             wait_until_ready(client, args.wait)
             if show:
-                print(args.prompt, end="", flush=True)
+                print(f"{args.prompt}\n" if args.chat else args.prompt, end="", flush=True)
             completion = complete(client, inputs, on_text=show)
     except CompletionError as error:
         print(f"\nerror: {error}", file=sys.stderr)

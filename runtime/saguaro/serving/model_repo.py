@@ -23,6 +23,7 @@ from pathlib import Path
 from saguaro.runtime.arguments import DECODE_DEFAULTS, add_decoding_arguments
 from saguaro.runtime.checkpoint import llama_shape, read_config
 from saguaro.runtime.engines.manifest import read_manifest
+from saguaro.runtime.engines.torch_engine import DEFAULT_MAX_CONTEXT as TORCH_MAX_CONTEXT
 from saguaro.runtime.options import DecodeOptions
 
 PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
@@ -46,7 +47,6 @@ class ModelSource:
     """Where the models and their tokenizer are, and what the engines were built for."""
 
     tokenizer_dir: Path
-    bos_token_id: int | None
     max_context: int
     engines_dir: Path | None = None
     target_dir: Path | None = None
@@ -61,7 +61,6 @@ def source_from_engines(engines_dir: Path) -> ModelSource:
     manifest = read_manifest(engines_dir)
     build = manifest["build"]
     return ModelSource(tokenizer_dir=engines_dir / manifest["tokenizer"]["dir"],
-                       bos_token_id=manifest["models"]["target"].get("bos_token_id"),
                        max_context=build["max_context"], engines_dir=engines_dir,
                        max_draft_tokens=build.get("max_draft_tokens"), max_branches=build.get("max_branches"))
 
@@ -71,8 +70,8 @@ def source_from_checkpoints(target_dir: Path, draft_dir: Path) -> ModelSource:
     target_dir, draft_dir = Path(target_dir).resolve(), Path(draft_dir).resolve()
     config = read_config(target_dir)
     read_config(draft_dir)
-    return ModelSource(tokenizer_dir=target_dir, bos_token_id=config.get("bos_token_id"),
-                       max_context=llama_shape(config, str(target_dir)).max_position_embeddings,
+    positions = llama_shape(config, str(target_dir)).max_position_embeddings
+    return ModelSource(tokenizer_dir=target_dir, max_context=min(positions, TORCH_MAX_CONTEXT),
                        target_dir=target_dir, draft_dir=draft_dir)
 
 
@@ -101,7 +100,7 @@ def template_values(source: ModelSource, options: DecodeOptions, max_concurrency
 
     return {"engines_dir": text(source.engines_dir), "target_dir": text(source.target_dir),
             "draft_dir": text(source.draft_dir), "tokenizer_dir": str(source.tokenizer_dir),
-            "bos_token_id": text(source.bos_token_id), "max_context": str(source.max_context),
+            "max_context": str(source.max_context),
             "default_decoding_mode": options.mode,
             "default_num_draft_tokens": str(options.num_draft_tokens),
             "default_fanout": ",".join(map(str, options.fanout)), "default_budget": text(options.budget),

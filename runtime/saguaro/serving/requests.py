@@ -23,6 +23,7 @@ from saguaro.runtime.checkpoint import load_tokenizer
 from saguaro.runtime.detokenizer import prefix_window
 from saguaro.runtime.options import DecodeOptions, parse_budget, parse_fanout
 from saguaro.runtime.pipeline import RequestError, RequestNames
+from saguaro.runtime.prompts import PromptError, chat_messages, encode_chat, encode_text
 from saguaro.runtime.sampling import SamplingParams
 from saguaro.serving.interface import refuse_unhonoured
 
@@ -212,18 +213,21 @@ def parse_request(get: GetInput, defaults: DecodeOptions, limits: ModelLimits) -
 
 
 class TextCodec:
-    """The engines' tokenizer on the text side: encodes exactly as `Pipeline.encode` and
-    decodes as `Pipeline.decode`, so served text equals the runtime's."""
+    """The engines' tokenizer on the text side: encodes exactly as `Pipeline.encode` (or
+    `Pipeline.encode_chat`) and decodes as `Pipeline.decode`, so served text equals the
+    runtime's."""
 
-    def __init__(self, tokenizer_dir: str | Path, bos_token_id: int | None):
+    def __init__(self, tokenizer_dir: str | Path):
         self.tokenizer = load_tokenizer(Path(tokenizer_dir))
-        self.bos_token_id = bos_token_id
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        """`chat`: the text is one user turn, rendered with the model's chat template."""
         if not text:
             raise RequestError("input 'text_input' is empty: give at least one character of text")
-        bos = [self.bos_token_id] if self.bos_token_id is not None else []
-        return bos + self.encode_word(text)
+        try:
+            return encode_chat(self.tokenizer, chat_messages(text)) if chat else encode_text(self.tokenizer, text)
+        except PromptError as error:
+            raise RequestError(f"input '{'chat' if chat else 'text_input'}': {error}") from None
 
     def encode_word(self, word: str) -> list[int]:
         return self.tokenizer.encode(word, add_special_tokens=False)

@@ -142,11 +142,18 @@ def validate_engine_dir(root: str | Path) -> dict:
     return manifest
 
 
+def manifest_eos_ids(model: dict) -> tuple[int, ...]:
+    """`eos_token_ids` (every end-of-generation token); older manifests hold one `eos_token_id`."""
+    if "eos_token_ids" in model:
+        return tuple(model["eos_token_ids"])
+    return () if model["eos_token_id"] is None else (model["eos_token_id"],)
+
+
 def engine_info(backend: str, engine_dir: Path, role: str, manifest: dict) -> EngineInfo:
     """What the decoding loops need to know of the `role` engine of a validated directory."""
     model = manifest["models"][role]
     limits = EngineLimits.from_manifest(manifest)
     return EngineInfo(backend=backend, path=str(Path(engine_dir) / role), vocab_size=model["shape"]["vocab_size"],
-                      max_context=limits.max_context, eos_token_id=model["eos_token_id"],
+                      max_context=limits.max_context, eos_token_ids=manifest_eos_ids(model),
                       bos_token_id=model["bos_token_id"], tokenizer_fingerprint=model["tokenizer_fingerprint"],
                       limits=limits)

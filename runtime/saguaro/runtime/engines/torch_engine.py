@@ -30,7 +30,7 @@ class TorchEngine(OneSequenceForms):
         limits = EngineLimits(max_context=context, **{**DEFAULT_LIMITS, "max_batch": max_batch or DEFAULT_LIMITS["max_batch"]})
         self.info = EngineInfo(
             backend="torch", path=str(checkpoint.path), vocab_size=shape.vocab_size, max_context=context,
-            eos_token_id=checkpoint.eos_token_id, bos_token_id=checkpoint.bos_token_id,
+            eos_token_ids=checkpoint.eos_token_ids, bos_token_id=checkpoint.bos_token_id,
             tokenizer_fingerprint=tokenizer_fingerprint(checkpoint.tokenizer), limits=limits)
         self.pool = KVPool(*shape.kv_shape, limits.max_batch, limits.max_cache_entries)
 
