@@ -147,6 +147,9 @@ class Metric:
     def observe(self, value) -> None:
         self._update(lambda: self.observed.append(value))
 
+    def set(self, value) -> None:
+        self._update(lambda: setattr(self, "value", value))
+
 
 class MetricFamily:
     COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"

@@ -25,7 +25,7 @@ from saguaro.runtime.sampling import SamplingParams
 from saguaro.serving.client import MODEL, CompletionError, complete, ensemble_inputs, stream_responses
 from saguaro.serving.interface import IGNORED, NEUTRAL_ONLY
 from saguaro.serving.launch import Ports, parse_args, serve
-from saguaro.serving.model_repo import DEFAULT_MAX_CONCURRENCY, values_from_args
+from saguaro.serving.model_repo import values_from_args
 from served import metric, one, raw, reference
 from served import metrics as metrics_at
 
@@ -372,7 +372,7 @@ def test_cancelling_requests_not_streamed_stops_them_and_frees_their_slots(pipel
     """As many non-streamed requests as there are generation slots, cancelled together: all
     stop (heartbeats carry Triton's cancellation to postprocessing), and the next request
     gets a slot at once."""
-    before, slots = metrics(server), DEFAULT_MAX_CONCURRENCY
+    before, slots = metrics(server), pipeline.max_active  # the engines' KV slots
     room = pipeline.max_context - len(pipeline.encode(PROMPTS[1]))
     client.start_stream(callback=lambda result, error: None)
     for _ in range(slots):
@@ -429,7 +429,37 @@ def test_metrics_endpoint_reports_the_ssd_figures(server, client):
     assert metric(text, "ssd_generated_tokens_total") >= 24 and metric(text, "ssd_rounds_total") >= 1
     assert metric(text, "ssd_cache_hits_total") + metric(text, "ssd_cache_misses_total") >= 1
     assert metric(text, "ssd_request_tokens_per_second_count") >= 1
+    assert metric(text, "ssd_batch_size_count") >= 1 and metric(text, "ssd_draft_tokens_count") >= 1
     assert metric(text, "nv_inference_request_success", model="ensemble") >= 1  # Triton's own
+
+
+def test_requests_beyond_the_kv_slots_queue_and_all_complete_in_one_batch(pipeline, server, client):
+    """More requests than slots: the rest wait (the queue gauge shows it), rounds batch
+    several requests at once (the batch-size histogram), and every text is the one the
+    request gives alone."""
+    count = pipeline.max_active + 4
+    expected = [pipeline.decode(reference(pipeline, PROMPTS[i % len(PROMPTS)], 300, "ssd", -1)[0].output_ids)
+                for i in range(count)]
+    before = metrics(server)
+    results, peak_queued = {}, [0.0]
+
+    def run(index):
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}") as own_client:
+            results[index] = complete(own_client, ensemble_inputs(PROMPTS[index % len(PROMPTS)], 300, False,
+                                                                  end_id=-1), timeout_s=120).text
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    while any(thread.is_alive() for thread in threads):
+        peak_queued[0] = max(peak_queued[0], metric(metrics(server), "ssd_requests_queued"))
+        time.sleep(0.02)
+    assert [results[i] for i in range(count)] == expected
+    after = metrics(server)
+    rounds = metric(after, "ssd_batch_size_count") - metric(before, "ssd_batch_size_count")
+    requests_in_rounds = metric(after, "ssd_batch_size_sum") - metric(before, "ssd_batch_size_sum")
+    assert requests_in_rounds / rounds > 1.5  # rounds ran several requests together
+    assert peak_queued[0] >= 1
 
 
 def test_client_script_streams_and_reports_json(pipeline, server):

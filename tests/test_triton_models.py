@@ -112,9 +112,11 @@ def test_a_bad_request_gets_one_final_error_naming_the_input(ssd, inputs, named)
 
 
 def test_a_failing_generation_ends_with_an_internal_error(ssd, monkeypatch):
+    """A round that fails (the target's forward here) fails the requests in it, each with
+    a final error, and the scheduler serves on."""
     def broken(*args, **kwargs):
         raise RuntimeError("engine exploded")
-    monkeypatch.setattr(ssd.pipeline, "generate", broken)
+    monkeypatch.setattr(ssd.pipeline.target, "verify_batch", broken)
     request = generation_request([1, 5], 4)
     ssd.execute([request])
     response, = wait_final(request)
@@ -125,6 +127,10 @@ def test_a_failing_generation_ends_with_an_internal_error(ssd, monkeypatch):
         assert time.monotonic() < deadline, "the failed generation stayed in flight"
         time.sleep(0.01)
     assert ssd.metrics.by_reason["failed"].value == 1
+    monkeypatch.undo()
+    again = generation_request([1, 5], 4)
+    ssd.execute([again])
+    assert not wait_final(again)[-1].has_error()
 
 
 def test_a_request_not_streamed_sends_heartbeats_then_everything_at_once(ssd):

@@ -1,11 +1,14 @@
 """Triton `ssd`: speculative speculative decoding, streamed as rounds complete.
 
-Decoupled: `execute` validates each request, hands it to a worker thread and returns at
-once (one `execute` at a time would serve one generation at a time). A worker runs
-`saguaro.serving.requests.run_request`, which sends a response per round (the round's
-tokens when streaming, a heartbeat otherwise) and a final response carrying the
-request's stats. Why a generation must stop is asked once per round; the SSD figures
-also go to Triton's metrics endpoint as custom metrics.
+Decoupled: `execute` validates each request, hands it to the pipeline's scheduler and
+returns at once. One scheduler thread decodes every active request together, one round
+at a time (`saguaro.runtime.scheduler`): each round verifies all of them in one batched
+target forward while the draft pre-speculates for all of them; requests join and leave
+between rounds, and those beyond the KV slots wait in order. Each request's responses go
+out as its rounds complete (`saguaro.serving.requests.start_request`: the round's tokens
+when streaming, a heartbeat otherwise) and a final response carries its stats. Why a
+generation must stop is asked once per round; the SSD figures also go to Triton's metrics
+endpoint as custom metrics (queueing and batch sizes among them).
 
 Cancellation through the ensemble needs a relay: Triton cancels only the ensemble steps
 it schedules after the client cancels, never one in flight, so this model's request never
@@ -20,7 +23,6 @@ ones until the deadline, stop the rest (finish reason "shutdown") and answer wit
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -33,6 +35,9 @@ from saguaro.serving import requests as serving
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Tokens per second of one request; a tiny model on CPU reaches the thousands.
 TOKENS_PER_S_BUCKETS = [1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000]
+BATCH_SIZE_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+DRAFT_TOKENS_BUCKETS = [0, 1, 2, 3, 4, 6, 8, 16]
+DEFAULT_MAX_QUEUE = 1024
 # Asking Triton whether a direct request is cancelled is a round trip to the server
 # process; every 10 ms keeps that cost small when rounds take a fraction of a millisecond.
 # (Requests through the ensemble hear of it through the postprocessing relay instead.)
@@ -96,6 +101,14 @@ class SsdMetrics:
                                         "Generated tokens per second of each request",
                                         pb_utils.MetricFamily.HISTOGRAM
                                         ).Metric(labels=self.labels, buckets=TOKENS_PER_S_BUCKETS)
+        self.queued = self.family("ssd_requests_queued", "Requests waiting for a KV slot",
+                                  pb_utils.MetricFamily.GAUGE).Metric(labels=self.labels)
+        self.batch_size = self.family("ssd_batch_size", "Requests in each decoding round",
+                                      pb_utils.MetricFamily.HISTOGRAM
+                                      ).Metric(labels=self.labels, buckets=BATCH_SIZE_BUCKETS)
+        self.draft_tokens = self.family("ssd_draft_tokens", "Draft tokens (K) each request verifies in a round",
+                                        pb_utils.MetricFamily.HISTOGRAM
+                                        ).Metric(labels=self.labels, buckets=DRAFT_TOKENS_BUCKETS)
         self.lock = threading.Lock()
 
     def family(self, name: str, description: str, kind):
@@ -108,6 +121,13 @@ class SsdMetrics:
     def change_in_flight(self, delta: int) -> None:
         with self.lock:
             self.in_flight.increment(delta)
+
+    def observe_round(self, batch, queued: int) -> None:
+        with self.lock:
+            self.batch_size.observe(len(batch))
+            for sequence in batch:
+                self.draft_tokens.observe(sequence.round_draft_tokens)
+            self.queued.set(queued)
 
     def count_request(self, finish_reason: str) -> None:
         with self.lock:
@@ -149,9 +169,12 @@ class TritonPythonModel:
         self.defaults = serving.defaults_from_parameters(parameters)
         info = self.pipeline.target.info
         self.limits = serving.ModelLimits(self.pipeline.max_context, info.vocab_size, info.eos_token_id)
-        self.workers = ThreadPoolExecutor(int(parameters.get("max_concurrency") or 8),
-                                          thread_name_prefix="ssd-request")
+        scheduler = self.pipeline.scheduler
+        scheduler.max_active = min(int(parameters.get("max_concurrency") or scheduler.max_active),
+                                   scheduler.max_active)  # the KV slots bound it
+        self.max_queue = int(parameters.get("max_queue") or DEFAULT_MAX_QUEUE)
         self.metrics = SsdMetrics(args["model_name"], args["model_version"])
+        scheduler.on_round = lambda batch: self.metrics.observe_round(batch, scheduler.queued)
         self.generations = lifecycle.Generations()
         self.control_token = os.environ.get(lifecycle.CONTROL_TOKEN_ENV)
 
@@ -182,27 +205,44 @@ class TritonPythonModel:
             self.metrics.count_request("refused_shutting_down")
             send_error(sender, str(error), pb_utils.TritonError.UNAVAILABLE)
             return
+        if self.pipeline.scheduler.queued >= self.max_queue:
+            self.generations.end(live.generation_id)
+            self.metrics.count_request("refused_queue_full")
+            send_error(sender, f"the server has {self.max_queue} requests waiting already; try again later",
+                       pb_utils.TritonError.UNAVAILABLE)
+            return
         self.metrics.change_in_flight(1)
-        self.workers.submit(self.generate, request, sender, parsed, live)
+        self.generate(request, sender, parsed, live)
 
     def generate(self, request, sender, parsed, live) -> None:
-        """A worker thread's whole job for one request; every path ends it with FINAL."""
+        """Queue the request with the scheduler; every path ends it with FINAL."""
         id_array = np.array([[live.generation_id]], dtype=np.uint64)
         client_cancelled = polled(request.is_cancelled, CANCEL_POLL_S)  # when called directly
         try:
-            outcome = serving.run_request(
+            outcome = serving.start_request(
                 self.pipeline, parsed,
                 lambda arrays, final: send_arrays(sender, {**arrays, "generation_id": id_array}, final),
                 stop_reason=stop_reason(live, client_cancelled))
-        except Exception as error:  # noqa: BLE001 - the client must hear of any failure
-            self.metrics.count_request("failed")
-            send_error(sender, f"generation failed: {type(error).__name__}: {error}",
-                       pb_utils.TritonError.INTERNAL)
-        else:
-            self.metrics.record(outcome)
-        finally:
-            self.generations.end(live.generation_id)
-            self.metrics.change_in_flight(-1)
+        except Exception as error:  # noqa: BLE001 - refused before it was queued
+            self.failed(sender, live, error)
+            return
+        outcome.add_done_callback(lambda done: self.ended(sender, live, done))
+
+    def ended(self, sender, live, done) -> None:
+        """In the scheduler's thread, once the final response went out (or failed)."""
+        error = done.exception()
+        if error is not None:
+            self.failed(sender, live, error)
+            return
+        self.metrics.record(done.result())
+        self.generations.end(live.generation_id)
+        self.metrics.change_in_flight(-1)
+
+    def failed(self, sender, live, error: BaseException) -> None:
+        self.metrics.count_request("failed")
+        send_error(sender, f"generation failed: {type(error).__name__}: {error}", pb_utils.TritonError.INTERNAL)
+        self.generations.end(live.generation_id)
+        self.metrics.change_in_flight(-1)
 
     def control(self, get, sender) -> None:
         """A drain request: answered from its own thread once the drain is over, so that
@@ -228,4 +268,4 @@ class TritonPythonModel:
         # queued ones start, see their reason and end at once, so every request still
         # gets its final response.
         self.generations.stop_all(lifecycle.SHUTDOWN)
-        self.workers.shutdown(wait=True)
+        self.pipeline.close()

@@ -102,8 +102,13 @@ class Sequence:
         if not self.done and self.request.cancelled():
             self.out.finish_reason = "cancelled"
 
+    @property
+    def round_draft_tokens(self) -> int:
+        """Drafts the coming round verifies (fewer than drafted near the end of the output)."""
+        return min(len(self.proposal), self.out.room - 1)
+
     def verification(self) -> VerifyStep:
-        return self.verifier.round(self.out.ids, self.proposal, min(len(self.proposal), self.out.room - 1))
+        return self.verifier.round(self.out.ids, self.proposal, self.round_draft_tokens)
 
     def commit(self, outcome: VerifyResult, speculation: SpeculationCache | None, verify_s: float) -> None:
         """The round's outcome: keep it, then look it up among the pre-speculated drafts."""
@@ -187,14 +192,3 @@ class Decoder:
         for sequence, draft in zip(needing, drafts):
             sequence.proposal = draft
             sequence.stats.draft_s += drafting.seconds
-
-    def generate(self, requests: Seq[Request]) -> list[Generation]:
-        """Decode `requests` together until each has finished; one generation each."""
-        sequences = self.start(requests)
-        while True:
-            for sequence in sequences:
-                sequence.check_cancelled()
-            active = [s for s in sequences if not s.done]
-            if not active:
-                return [s.finish() for s in sequences]
-            self.decode_round(active)

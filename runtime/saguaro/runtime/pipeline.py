@@ -7,6 +7,7 @@ decodes requests itself (`contracts.RequestTarget`: TensorRT-LLM).
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 from saguaro.runtime.checkpoint import check_pair_compatible
 from saguaro.runtime.contracts import RequestTarget
 from saguaro.runtime.decoding import Cancelled, Decoder, Generation, OnTokens, Request
+from saguaro.runtime.scheduler import Scheduler
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.torch_engine import TorchEngine
 from saguaro.runtime.options import DecodeOptions
@@ -41,10 +43,19 @@ class RequestNames:
 class Pipeline:
     target: object  # an Engine
     draft: object   # an Engine
-    decoder: Decoder = field(init=False)
+    scheduler: Scheduler = field(init=False)
 
     def __post_init__(self):
-        self.decoder = Decoder(self.target, self.draft)
+        self.scheduler = Scheduler(Decoder(self.target, self.draft), self.max_active)
+
+    @property
+    def max_active(self) -> int:
+        """Requests decoded at once: what both engines have KV slots for."""
+        return min(engine.info.limits.max_batch for engine in (self.target, self.draft))
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.scheduler.decoder.close()
 
     @classmethod
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None,
@@ -145,4 +156,9 @@ class Pipeline:
         decodes requests itself gets them one by one)."""
         if isinstance(self.target, RequestTarget):
             return [self.target.generate(self.draft, request) for request in requests]
-        return self.decoder.generate(requests)
+        return [future.result() for future in [self.submit(request) for request in requests]]
+
+    def submit(self, request: Request) -> Future:
+        """Queue a checked request (`request`) for the scheduler; its future's result is
+        the `Generation`. Requests submitted from several threads batch together."""
+        return self.scheduler.submit(request)

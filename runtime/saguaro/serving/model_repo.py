@@ -27,7 +27,7 @@ from saguaro.runtime.engines.torch_engine import DEFAULT_MAX_CONTEXT as TORCH_MA
 from saguaro.runtime.options import DecodeOptions
 
 PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
-DEFAULT_MAX_CONCURRENCY = 8
+DEFAULT_MAX_QUEUE = 1024
 
 
 def templates_dir() -> Path:
@@ -94,7 +94,8 @@ def default_options(source: ModelSource, mode: str, num_draft_tokens: int | None
     return options
 
 
-def template_values(source: ModelSource, options: DecodeOptions, max_concurrency: int) -> dict[str, str]:
+def template_values(source: ModelSource, options: DecodeOptions, max_concurrency: int | None,
+                    max_queue: int) -> dict[str, str]:
     def text(value) -> str:
         return "" if value is None else str(value)
 
@@ -104,7 +105,7 @@ def template_values(source: ModelSource, options: DecodeOptions, max_concurrency
             "default_decoding_mode": options.mode,
             "default_num_draft_tokens": str(options.num_draft_tokens),
             "default_fanout": ",".join(map(str, options.fanout)), "default_budget": text(options.budget),
-            "max_concurrency": str(max_concurrency)}
+            "max_concurrency": text(max_concurrency), "max_queue": str(max_queue)}
 
 
 def fill(template: str, values: dict[str, str], where: str) -> str:
@@ -152,8 +153,10 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     knobs = parser.add_argument_group("what a request gets for the SSD knobs it leaves out "
                                       "(K and the fan-out are capped by the engines' limits)")
     add_decoding_arguments(knobs, defaults=None, per_request_flags=False)
-    parser.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
-                        help="generations running at once")
+    parser.add_argument("--max-concurrency", type=int,
+                        help="requests decoded together (default: the engines' KV slots, their max_batch)")
+    parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                        help=f"requests waiting beyond those; more are refused (default {DEFAULT_MAX_QUEUE})")
 
 
 def values_from_args(args: argparse.Namespace) -> dict[str, str]:
@@ -166,10 +169,12 @@ def values_from_args(args: argparse.Namespace) -> dict[str, str]:
         source = source_from_checkpoints(args.target, args.draft)
     else:
         raise ValueError("give --engines DIR, or both --target DIR and --draft DIR")
-    if args.max_concurrency < 1:
+    if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     options = default_options(source, args.mode, args.num_draft_tokens, args.fanout, args.budget)
-    return template_values(source, options, args.max_concurrency)
+    return template_values(source, options, args.max_concurrency, args.max_queue)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import json
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -372,11 +373,27 @@ class ResponseStream:
         return outcome
 
 
-def run_request(pipeline, request: ServingRequest, send: Send, stop_reason: StopReason) -> Outcome:
-    """Generate, sending responses as rounds complete and a final one with the stats;
-    `stop_reason` is asked before every round (a reason stops the generation)."""
+def start_request(pipeline, request: ServingRequest, send: Send, stop_reason: StopReason) -> Future:
+    """Queue the generation with the pipeline's scheduler; responses go out as its rounds
+    complete (from the scheduler's thread), and a final one with the stats. `stop_reason`
+    is asked before every round (a reason stops the generation). The future's result is
+    the `Outcome`, once the final response is sent."""
     stream = ResponseStream(request, send)
-    generation = pipeline.generate(request.prompt_ids, request.options, request.sampling,
-                                   on_tokens=stream.on_tokens,
-                                   cancelled=lambda: stream.stopped or stop_reason() is not None)
-    return stream.finish(generation, stop_reason())
+    queued = pipeline.submit(pipeline.request(request.prompt_ids, request.options, request.sampling,
+                                              on_tokens=stream.on_tokens,
+                                              cancelled=lambda: stream.stopped or stop_reason() is not None))
+    outcome: Future = Future()
+
+    def finish(generation: Future) -> None:
+        try:
+            outcome.set_result(stream.finish(generation.result(), stop_reason()))
+        except Exception as error:  # noqa: BLE001 - the caller reports it to the client
+            outcome.set_exception(error)
+
+    queued.add_done_callback(finish)
+    return outcome
+
+
+def run_request(pipeline, request: ServingRequest, send: Send, stop_reason: StopReason) -> Outcome:
+    """`start_request`, waited for."""
+    return start_request(pipeline, request, send, stop_reason).result()

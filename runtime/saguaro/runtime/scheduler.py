@@ -1,0 +1,118 @@
+"""Iteration-level batching: one thread runs decoding rounds over every active request.
+
+Requests join and leave between rounds (continuous batching, as TensorRT-LLM's in-flight
+batcher and vLLM do): before each round the requests that finished or were cancelled
+leave at once, and waiting requests join, as many as the KV slots allow, their prompts
+prefilled together; then one round (`Decoder.decode_round`) verifies every active
+request in one batched target forward while the draft worker pre-speculates for all of
+them. Requests beyond the slots wait in order (`queued`). A request's tokens go to its
+`on_tokens` as each round commits them; its `Generation` completes its future.
+
+Nothing a request computes depends on the others in its batch (its own KV slot, its own
+positions and mask, randomness keyed by its own seed), so a request gives the same
+output whatever joins or leaves around it.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future
+from typing import Callable
+
+from saguaro.runtime.decoding import Decoder, Request, Sequence
+
+OnRound = Callable[[list[Sequence]], None]  # told of each round's batch, before it runs
+
+
+class Scheduler:
+    def __init__(self, decoder: Decoder, max_active: int, on_round: OnRound | None = None):
+        if max_active < 1:
+            raise ValueError(f"max_active must be >= 1, got {max_active}")
+        self.decoder, self.max_active, self.on_round = decoder, max_active, on_round
+        self._waiting: deque[tuple[Request, Future]] = deque()
+        self._condition = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a KV slot."""
+        with self._condition:
+            return len(self._waiting)
+
+    def submit(self, request: Request) -> Future:
+        """Queue a request; the future's result is its `Generation` (or its error)."""
+        future: Future = Future()
+        with self._condition:
+            if self._closed:
+                raise RuntimeError("the scheduler is closed")
+            self._waiting.append((request, future))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
+                self._thread.start()
+            self._condition.notify()
+        return future
+
+    def close(self) -> None:
+        """Finish what was submitted, then stop the thread."""
+        with self._condition:
+            self._closed = True
+            self._condition.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        active: list[tuple[Sequence, Future]] = []
+        while True:
+            joining = self._take(self.max_active - len(active), wait=not active)
+            if joining is None:
+                return  # closed, and nothing left to run
+            active += self._start(joining)
+            active = self._retire(active)
+            if active:
+                self._round(active)
+
+    def _take(self, room: int, wait: bool) -> list[tuple[Request, Future]] | None:
+        with self._condition:
+            while wait and not self._waiting and not self._closed:
+                self._condition.wait()
+            if wait and not self._waiting:
+                return None
+            taken = []
+            while self._waiting and len(taken) < room:
+                taken.append(self._waiting.popleft())
+            return taken
+
+    def _start(self, joining: list[tuple[Request, Future]]) -> list[tuple[Sequence, Future]]:
+        if not joining:
+            return []
+        try:
+            sequences = self.decoder.start([request for request, _ in joining])
+        except Exception as error:  # noqa: BLE001 - each caller hears of it, the others run on
+            for _, future in joining:
+                future.set_exception(error)
+            return []
+        return list(zip(sequences, (future for _, future in joining)))
+
+    def _retire(self, active: list[tuple[Sequence, Future]]) -> list[tuple[Sequence, Future]]:
+        """Cancelled requests stop, finished ones leave: their futures complete."""
+        running = []
+        for sequence, future in active:
+            sequence.check_cancelled()
+            if sequence.done:
+                future.set_result(sequence.finish())
+            else:
+                running.append((sequence, future))
+        return running
+
+    def _round(self, active: list[tuple[Sequence, Future]]) -> None:
+        batch = [sequence for sequence, _ in active]
+        if self.on_round is not None:
+            self.on_round(batch)
+        try:
+            self.decoder.decode_round(batch)
+        except Exception as error:  # noqa: BLE001 - a failed round fails its batch, not the server
+            for sequence, future in active:
+                sequence.finish()  # frees its KV slots
+                future.set_exception(error)
+            active.clear()
