@@ -2,14 +2,14 @@
 output to compare with, raw gRPC inputs, and the server's metrics."""
 from __future__ import annotations
 
-import re
-import urllib.request
-
 import numpy as np
 import tritonclient.grpc as grpcclient
 
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.sampling import SamplingParams
+from saguaro.serving.served_metrics import metric, scrape
+
+__all__ = ["metric", "metrics", "one", "raw", "reference"]
 
 
 def reference(pipeline, prompt: str, max_tokens: int, mode: str = "ssd", end_id: int | None = None,
@@ -39,13 +39,4 @@ def one(name: str, value, datatype: str):
 
 
 def metrics(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        return reply.read().decode()
-
-
-def metric(text: str, name: str, **labels) -> float:
-    for line in text.splitlines():
-        match = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
-        if match and all(f'{key}="{value}"' in match.group(1) for key, value in labels.items()):
-            return float(match.group(2))
-    return 0.0
+    return scrape(port)

@@ -233,7 +233,7 @@ def generate_cli(*args):
 
 def test_cli_json_contract(tiny_pair):
     result = generate_cli("--target", str(tiny_pair / "target"), "--draft", str(tiny_pair / "draft"),
-                          "--mode", "ssd", "-k", "3", "--fanout", "2", "--prompt", "The with statement",
+                          "--mode", "ssd", "-k", "3", "--fixed-k", "--fanout", "2", "--prompt", "The with statement",
                           "--max-tokens", "12", "--json")
     assert result.returncode == 0, result.stderr
     output = json.loads(result.stdout)

@@ -57,7 +57,7 @@ def pipeline(served_engines):
 
 @pytest.fixture(scope="session")
 def server(served_engines, tmp_path_factory):
-    args = parse_args(["--engines", str(served_engines)])
+    args = parse_args(["--engines", str(served_engines), "--fixed-k"])  # K as asked: rounds the tests can predict
     triton = serve(values_from_args(args), tmp_path_factory.mktemp("triton"), Ports.free())
     try:
         yield triton

@@ -81,11 +81,11 @@ def output_ids(responses) -> list[int]:
 
 def test_a_streamed_request_sends_each_round_then_a_final_response(ssd, long_pair):
     prompt = [1, 7, 9, 11]
-    request = generation_request(prompt, 12, stream=True)
+    request = generation_request(prompt, 12, stream=True, num_draft_tokens=np.int32(4))  # K pinned: same rounds
     ssd.execute([request])
     responses = wait_final(request)
     expected = Pipeline.load(target=long_pair / "target", draft=long_pair / "draft").generate(
-        prompt, DecodeOptions(max_tokens=12), SamplingParams())
+        prompt, DecodeOptions(max_tokens=12, num_draft_tokens=4), SamplingParams())
     assert output_ids(responses) == expected.output_ids
     flags = [flags for _, flags in request.sender.sent]
     assert flags[-1] == FINAL and all(f == 0 for f in flags[:-1]) and len(flags) >= 2
@@ -177,14 +177,14 @@ def drain_report(request) -> DrainReport:
 
 def paced(pipeline, monkeypatch, seconds_per_round: float) -> None:
     """Rounds that take a known time, so that what finishes before a deadline is certain."""
-    generate = pipeline.generate
+    make_request = pipeline.request
 
     def slow(prompt_ids, options, sampling, on_tokens=None, cancelled=lambda: False):
         def each_round(tokens):
             time.sleep(seconds_per_round)
             on_tokens(tokens)
-        return generate(prompt_ids, options, sampling, on_tokens=each_round, cancelled=cancelled)
-    monkeypatch.setattr(pipeline, "generate", slow)
+        return make_request(prompt_ids, options, sampling, on_tokens=each_round, cancelled=cancelled)
+    monkeypatch.setattr(pipeline, "request", slow)
 
 
 def test_a_drain_lets_short_requests_finish_and_stops_long_ones_at_the_deadline(ssd, monkeypatch):

@@ -45,9 +45,11 @@ CANCEL_POLL_S = 0.01
 
 
 def load_pipeline(parameters: dict):
+    scheduling = dict(batching=parameters.get("batching") or "iteration",
+                      max_concurrency=int(parameters.get("max_concurrency") or 0) or None)
     if parameters.get("engines_dir"):
-        return Pipeline.load(engines=parameters["engines_dir"])
-    return Pipeline.load(target=parameters["target_dir"], draft=parameters["draft_dir"])
+        return Pipeline.load(engines=parameters["engines_dir"], **scheduling)
+    return Pipeline.load(target=parameters["target_dir"], draft=parameters["draft_dir"], **scheduling)
 
 
 def send_error(sender, message: str, code) -> None:
@@ -126,7 +128,7 @@ class SsdMetrics:
         with self.lock:
             self.batch_size.observe(len(batch))
             for sequence in batch:
-                self.draft_tokens.observe(sequence.round_draft_tokens)
+                self.draft_tokens.observe(sequence.verified)
             self.queued.set(queued)
 
     def count_request(self, finish_reason: str) -> None:
@@ -169,12 +171,9 @@ class TritonPythonModel:
         self.defaults = serving.defaults_from_parameters(parameters)
         info = self.pipeline.target.info
         self.limits = serving.ModelLimits(self.pipeline.max_context, info.vocab_size, info.eos_token_id)
-        scheduler = self.pipeline.scheduler
-        scheduler.max_active = min(int(parameters.get("max_concurrency") or scheduler.max_active),
-                                   scheduler.max_active)  # the KV slots bound it
         self.max_queue = int(parameters.get("max_queue") or DEFAULT_MAX_QUEUE)
         self.metrics = SsdMetrics(args["model_name"], args["model_version"])
-        scheduler.on_round = lambda batch: self.metrics.observe_round(batch, scheduler.queued)
+        self.pipeline.observe_rounds(lambda batch: self.metrics.observe_round(batch, self.pipeline.queued))
         self.generations = lifecycle.Generations()
         self.control_token = os.environ.get(lifecycle.CONTROL_TOKEN_ENV)
 
@@ -205,7 +204,7 @@ class TritonPythonModel:
             self.metrics.count_request("refused_shutting_down")
             send_error(sender, str(error), pb_utils.TritonError.UNAVAILABLE)
             return
-        if self.pipeline.scheduler.queued >= self.max_queue:
+        if self.pipeline.queued >= self.max_queue:
             self.generations.end(live.generation_id)
             self.metrics.count_request("refused_queue_full")
             send_error(sender, f"the server has {self.max_queue} requests waiting already; try again later",

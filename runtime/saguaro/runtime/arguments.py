@@ -51,6 +51,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, defaults: DecodeOpti
         parser.add_argument("--saguaro-top", type=int, metavar="N", default=None,
                             help=f"tokens Saguaro sampling rescales (default {DECODE_DEFAULTS.saguaro_top})")
         parser.add_argument("--no-prespeculate", action="store_true", help="ssd without pre-speculation")
+        parser.add_argument("--fixed-k", action="store_true",
+                            help="draft K tokens every round instead of letting the load policy choose "
+                                 "K (up to --num-draft-tokens) from measured costs and acceptance")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +69,8 @@ def decode_options(args: argparse.Namespace, **overrides) -> DecodeOptions:
     fields = dict(mode=args.mode, num_draft_tokens=args.num_draft_tokens, fanout=args.fanout,
                   budget=args.budget, saguaro_factor=getattr(args, "saguaro", None),
                   saguaro_top=getattr(args, "saguaro_top", None),
-                  prespeculate=not getattr(args, "no_prespeculate", False))
+                  prespeculate=not getattr(args, "no_prespeculate", False),
+                  adapt_k=not getattr(args, "fixed_k", False))
     fields.update(overrides)
     return DecodeOptions(**{name: value for name, value in fields.items() if value is not None})
 

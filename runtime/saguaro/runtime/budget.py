@@ -6,6 +6,10 @@ branches where hits are likeliest: it estimates online `P(A = j)` (accepted leng
 each next branch to the depth whose next rank adds the most hit probability.
 `AdaptiveBudget` also chooses B itself, from measured time, so that pre-speculation
 stays hidden under verification.
+
+Each round may verify fewer drafts than the request's K (the load policy's choice) and
+may cap the branches (what hides under this round's verification): `fanout(depths, cap)`
+places branches for accepted lengths 0..depths-1, at most `cap` of them.
 """
 from __future__ import annotations
 
@@ -26,8 +30,8 @@ class StaticFanout:
     def max_branches(self) -> int:
         return int(self._fanout.sum())
 
-    def fanout(self) -> torch.Tensor:
-        return self._fanout
+    def fanout(self, depths: int | None = None, cap: int | None = None) -> torch.Tensor:
+        return within_cap(self._fanout[:depths], cap)
 
     def observe(self, accepted: int, bonus_rank: int) -> None:
         pass
@@ -55,13 +59,14 @@ class OnlineBudget:
     def max_branches(self) -> int:
         return self.ranks
 
-    def fanout(self) -> torch.Tensor:
-        p_depth = self.accepted_counts / self.accepted_counts.sum()
-        p_rank = self.rank_counts / self.rank_counts.sum(1, keepdim=True)
+    def fanout(self, depths: int | None = None, cap: int | None = None) -> torch.Tensor:
+        depths = self.k + 1 if depths is None else depths
+        p_depth = self.accepted_counts[:depths] / self.accepted_counts[:depths].sum()
+        p_rank = self.rank_counts[:depths] / self.rank_counts[:depths].sum(1, keepdim=True)
         hit_gain = p_depth.unsqueeze(1) * p_rank[:, :-1]
-        fanout = torch.zeros(self.k + 1, dtype=torch.int64)
-        rows = torch.arange(self.k + 1)
-        for _ in range(self.budget):
+        fanout = torch.zeros(depths, dtype=torch.int64)
+        rows = torch.arange(depths)
+        for _ in range(self.budget if cap is None else min(self.budget, cap)):
             next_gain = hit_gain[rows, fanout.clamp(max=self.ranks - 1)]
             next_gain[fanout >= self.ranks] = -1.0
             fanout[int(torch.argmax(next_gain))] += 1
@@ -88,6 +93,16 @@ class AdaptiveBudget(OnlineBudget):
             self.budget -= 1
         elif prespeculate_s < 0.75 * verify_s and self.budget < self.ranks:
             self.budget += 1
+
+
+def within_cap(fanout: torch.Tensor, cap: int | None) -> torch.Tensor:
+    """`fanout` with at most `cap` branches: the widest depth (the deepest of ties) gives
+    one up at a time, so every depth keeps its likeliest keys longest."""
+    fanout = fanout.clone()
+    while cap is not None and int(fanout.sum()) > cap:
+        widest = int(fanout.max())
+        fanout[int(torch.nonzero(fanout == widest)[-1])] -= 1
+    return fanout
 
 
 def bonus_rank(scores: torch.Tensor, draft_tokens: torch.Tensor, accepted: int, bonus: int) -> int:

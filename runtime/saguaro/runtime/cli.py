@@ -3,6 +3,9 @@
     python scripts/generate.py --mode ssd --prompt "The with statement" --max-tokens 64
     python scripts/generate.py --engines engines/tiny --json ...
     python scripts/generate.py --engines engines/smollm2 --chat --prompt "What is the capital of France?"
+    python scripts/generate.py --engines engines/bench --prompt "The with statement" --prompt "A class"
+
+Several `--prompt`s are decoded together, their rounds batched (`saguaro.runtime.scheduler`).
 
 Every flag is validated before a model loads; a bad value exits with code 2 and a
 message naming it.
@@ -30,7 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     source.add_argument("--draft", type=Path, default=DEFAULT_MODELS / "draft")
     source.add_argument("--engines", type=Path, help="a folder made by scripts/build_engines.py")
     add_decoding_arguments(parser)
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--prompt", action="append", help=f"repeat to decode several together "
+                                                             f"(default {DEFAULT_PROMPT!r})")
     parser.add_argument("--chat", action="store_true",
                         help="the prompt is a user message: render it with the model's chat template "
                              "(generation stops at the model's end-of-turn token)")
@@ -38,8 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=DECODE_DEFAULTS.max_tokens)
     add_sampling_arguments(parser)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per model")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    return parser.parse_args(argv)
+    parser.add_argument("--json", action="store_true", help="print one JSON object (a list for several prompts)")
+    args = parser.parse_args(argv)
+    args.prompts = args.prompt or [DEFAULT_PROMPT]
+    return args
 
 
 def report(pipeline, generation) -> dict:
@@ -80,16 +86,18 @@ def main(argv=None) -> int:
             pipeline = Pipeline.load(target=args.target, draft=args.draft, threads=args.threads)
         if args.system and not args.chat:
             raise ValueError("--system needs --chat")
-        prompt_ids = pipeline.encode_chat(args.prompt, args.system) if args.chat else pipeline.encode(args.prompt)
-        pipeline.check_request(prompt_ids, options)
+        requests = [pipeline.request(pipeline.encode_chat(prompt, args.system) if args.chat
+                                     else pipeline.encode(prompt), options, sampling) for prompt in args.prompts]
     except ValueError as error:
         print(f"generate.py: error: {error}", file=sys.stderr)
         return 2
-    result = report(pipeline, pipeline.generate(prompt_ids, options, sampling))
+    with pipeline:
+        results = [report(pipeline, generation) for generation in pipeline.generate_batch(requests)]
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(results[0] if len(results) == 1 else results))
     else:
-        print_human(result, args.prompt, args.chat, sampled=not sampling.greedy)
+        for prompt, result in zip(args.prompts, results):
+            print_human(result, prompt, args.chat, sampled=not sampling.greedy)
     return 0
 
 

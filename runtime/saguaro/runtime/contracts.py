@@ -183,6 +183,12 @@ class Draft:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def prefix(self, count: int) -> "Draft":
+        """The first `count` drafts (a round that verifies fewer than were drafted)."""
+        if count == len(self):
+            return self
+        return Draft(self.tokens[:count], None if self.probs is None else self.probs[:count], self.logits[:count])
+
 
 @dataclass
 class SpeculationCache:

@@ -6,8 +6,10 @@ sequence at once: the draft worker (a thread of its own, on its own core) pre-sp
 while the target verifies every sequence's `[last, d_1..d_K]` in one batched forward; on
 a hit the next draft is ready, the misses are drafted together the ordinary way. A
 sequence without pre-speculation is plain speculative decoding; with K = 0 it drafts
-nothing and each round is one autoregressive step. Sequences join and leave between
-rounds, and nothing a sequence computes depends on the others in its batch.
+nothing and each round is one autoregressive step. Before each round the load policy
+chooses every sequence's K for the round (up to its request's) and the branches it may
+pre-speculate (`load_policy`). Sequences join and leave between rounds, and nothing a
+sequence computes depends on the others in its batch.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
-from saguaro.runtime.contracts import SpeculationCache, VerifyResult, VerifyStep, draft_cache_capacity
+from saguaro.runtime.contracts import Draft, SpeculationCache, VerifyResult, VerifyStep, draft_cache_capacity
+from saguaro.runtime.load_policy import Acceptance, LoadPolicy, Plan
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.rounds import take_speculation
 from saguaro.runtime.sampling import SamplingParams
@@ -90,8 +93,11 @@ class Sequence:
             branches = self.policy.max_branches if self.prespeculating else 0
             self.speculator = Speculator(draft, request.sampling, options.saguaro(request.sampling),
                                          draft_cache_capacity(target.info.max_context, branches, self.k))
-        self.proposal = None if self.k else empty_draft(draft.info.vocab_size, request.sampling)
-        self.speculation: SpeculationCache | None = None
+        self.empty = empty_draft(draft.info.vocab_size, request.sampling)
+        self.proposal = None if self.k else self.empty
+        self.greedy, self.acceptance = request.sampling.greedy, Acceptance()
+        self.plan = Plan(self.k)  # the load policy's, each round
+        self.verified = 0               # drafts the last round verified
         self.started = time.perf_counter()
 
     @property
@@ -103,24 +109,52 @@ class Sequence:
             self.out.finish_reason = "cancelled"
 
     @property
+    def adapts(self) -> bool:
+        """K follows the load policy: a greedy request that did not pin it. A sampled
+        request keeps its K (K changes which tokens a seed draws, and a seed must replay);
+        its pre-speculation still follows the policy (it changes no token)."""
+        return self.request.options.adapt_k and self.greedy
+
+    @property
+    def steered(self) -> bool:
+        """Its pre-speculation follows the load policy (on or off, how many branches)."""
+        return self.request.options.adapt_k
+
+    @property
+    def room(self) -> int:
+        return self.out.room
+
+    @property
     def round_draft_tokens(self) -> int:
-        """Drafts the coming round verifies (fewer than drafted near the end of the output)."""
-        return min(len(self.proposal), self.out.room - 1)
+        """Drafts the coming round verifies: the plan's K, what was drafted, and what fits."""
+        return max(0, min(self.plan.draft_tokens, len(self.proposal), self.out.room - 1))
+
+    @property
+    def round_proposal(self) -> Draft:
+        return self.proposal.prefix(self.round_draft_tokens)
+
+    @property
+    def speculates(self) -> bool:
+        """Pre-speculates this round: an ssd sequence with drafts to verify."""
+        return self.prespeculating and self.plan.prespeculate and self.round_draft_tokens > 0
 
     def verification(self) -> VerifyStep:
-        return self.verifier.round(self.out.ids, self.proposal, self.round_draft_tokens)
+        self.verified = self.round_draft_tokens
+        return self.verifier.round(self.out.ids, self.proposal, self.verified)
 
-    def commit(self, outcome: VerifyResult, speculation: SpeculationCache | None, verify_s: float) -> None:
-        """The round's outcome: keep it, then look it up among the pre-speculated drafts."""
-        drafted = self.proposal.tokens
+    def commit(self, outcome: VerifyResult, speculation: SpeculationCache | None, verify_s: float) -> bool | None:
+        """The round's outcome: keep it, then look it up among the pre-speculated drafts
+        (returns whether the lookup hit; None without one)."""
+        drafted = self.round_proposal.tokens
         self.verifier.keep(self.out.ids, outcome)
         self.stats.record_round(outcome.accepted)
         self.out.commit(drafted[:outcome.accepted].tolist() + [outcome.bonus])
-        if self.k:
-            self.proposal = None
-        if not self.done and speculation is not None:
-            self.proposal = take_speculation(self.speculator, self.policy, self.stats, self.out.ids, drafted,
-                                             speculation, outcome, verify_s)
+        self.proposal = None if self.k and self.plan.draft_tokens else self.empty
+        if self.done or speculation is None:
+            return None
+        self.proposal = take_speculation(self.speculator, self.policy, self.stats, self.out.ids, drafted,
+                                         speculation, outcome, verify_s)
+        return self.proposal is not None
 
     def finish(self) -> Generation:
         for side in (self.verifier.cache, self.speculator):
@@ -140,6 +174,7 @@ class Decoder:
     def __init__(self, target, draft):
         self.target, self.draft = target, draft
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="draft")
+        self.policy = LoadPolicy(target, draft)
 
     def close(self) -> None:
         self.worker.shutdown(wait=True)
@@ -147,6 +182,7 @@ class Decoder:
     def start(self, requests: Seq[Request]) -> list[Sequence]:
         """New sequences: the target prefills their prompts (one batched forward), the
         draft drafts their first proposals (one batched forward per step)."""
+        self.policy.calibrate()
         sequences = [Sequence(request, self.target, self.draft) for request in requests]
         prefills = [step for step in (s.verifier.prefill(s.request.prompt_ids) for s in sequences) if step]
         with stopwatch() as prefilling:
@@ -158,37 +194,59 @@ class Decoder:
         return sequences
 
     def decode_round(self, batch: list[Sequence]) -> None:
-        """One round for every sequence of the batch (DESIGN.md section 1)."""
-        speculating = [s for s in batch if s.prespeculating and s.out.room > 1]
+        """One round for every sequence of the batch (DESIGN.md section 1), timed for the
+        load policy: what the forwards and waits leave over is the round's host work."""
+        with stopwatch() as whole:
+            verify_s, wait_s, draft_s = self._round(batch)
+        self.policy.observe_host(len(batch), whole.seconds - verify_s - wait_s - draft_s)
+
+    def _round(self, batch: list[Sequence]) -> tuple[float, float, float]:
+        for sequence, plan in zip(batch, self.policy.choose(batch)):
+            sequence.plan = plan
+        speculating = [s for s in batch if s.speculates]
+        steps = [s.verification() for s in batch]  # before the worker starts: it competes for the GIL
         pending = self.worker.submit(self.prespeculate, speculating)
         with stopwatch() as verifying:
-            outcomes = self.target.verify_batch([s.verification() for s in batch])
+            outcomes = self.target.verify_batch(steps)
+        self.policy.observe_verify(sum(len(step.step.tokens) for step in steps), verifying.seconds)
         with stopwatch() as waiting:
             speculations = dict(zip(map(id, speculating), pending.result()))
         for sequence, outcome in zip(batch, outcomes):
             sequence.stats.verify_s += verifying.seconds
             sequence.stats.wait_s += waiting.seconds
-            sequence.commit(outcome, speculations.get(id(sequence)), verifying.seconds)
-        self.draft_misses([s for s in batch if not s.done])
+            self.policy.record_round(sequence.acceptance, sequence.greedy, sequence.verified, outcome.accepted)
+            hit = sequence.commit(outcome, speculations.get(id(sequence)), verifying.seconds)
+            if hit is not None:
+                self.policy.record_lookup(sequence.acceptance, sequence.greedy, hit)
+        drafting_s = self.draft_misses([s for s in batch if not s.done])
+        return verifying.seconds, waiting.seconds, drafting_s
 
     def prespeculate(self, batch: list[Sequence]) -> list[SpeculationCache]:
         """In the worker: every sequence's likely outcomes, all drafted in lockstep."""
         with stopwatch() as elapsed:
-            speculations = lockstep(self.draft, [s.speculator.prespeculate(s.out.ids, s.proposal, s.policy.fanout())
-                                                 for s in batch])
+            speculations = lockstep(self.draft, [
+                s.speculator.prespeculate(s.out.ids, s.round_proposal,
+                                          s.policy.fanout(s.round_draft_tokens + 1, s.plan.branches))
+                for s in batch])
         for sequence, speculation in zip(batch, speculations):
             speculation.seconds = elapsed.seconds
             sequence.stats.prespeculate_s += elapsed.seconds
+        if batch:
+            self.policy.observe_prespeculation(sum(len(s.drafts) for s in speculations),
+                                               max(s.round_draft_tokens for s in batch) + 1, elapsed.seconds)
         return speculations
 
-    def draft_misses(self, batch: list[Sequence]) -> None:
-        """Ordinary drafts, in the worker, for the sequences a round left without one."""
+    def draft_misses(self, batch: list[Sequence]) -> float:
+        """Ordinary drafts, in the worker, for the sequences a round left without one
+        (returns the time it took)."""
         needing = [s for s in batch if s.proposal is None]
         if not needing:
-            return
+            return 0.0
         with stopwatch() as drafting:
-            drafts = self.worker.submit(lockstep, self.draft, [s.speculator.draft(s.out.ids, s.k)
+            drafts = self.worker.submit(lockstep, self.draft, [s.speculator.draft(s.out.ids, s.plan.draft_tokens)
                                                                for s in needing]).result()
         for sequence, draft in zip(needing, drafts):
             sequence.proposal = draft
             sequence.stats.draft_s += drafting.seconds
+        self.policy.observe_drafting(len(needing), max(len(draft) for draft in drafts), drafting.seconds)
+        return drafting.seconds

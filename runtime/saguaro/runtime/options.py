@@ -27,6 +27,9 @@ class DecodeOptions:
     saguaro_factor: float | None = None       # Saguaro sampling (temperature > 0) when set
     saguaro_top: int = max(DEFAULT_FANOUT) + 1  # ... scaling the draft's `saguaro_top` likeliest tokens
     prespeculate: bool = True                 # ssd only; off reduces ssd to speculative
+    adapt_k: bool = False                     # True: K per round from the load policy, up
+                                              # to num_draft_tokens (load_policy); the
+                                              # command lines and the server turn it on
     max_tokens: int = 64
     eos_token_id: int | None = None           # None: the model's; -1: never stop early
 

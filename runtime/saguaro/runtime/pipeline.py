@@ -39,34 +39,71 @@ class RequestNames:
     lower: str = "lower --fanout or --budget"
 
 
+BATCHING = ("iteration", "per-request")  # one scheduler for all requests | one thread each
+
+
 @dataclass
 class Pipeline:
+    """`batching` "iteration" (the default) decodes up to `max_concurrency` requests
+    together in one scheduler; "per-request" decodes each alone, in a thread of its own,
+    up to `max_concurrency` at once (the baseline that iteration-level batching replaces).
+    `max_concurrency` is at most what both engines have KV slots for (their max_batch)."""
+
     target: object  # an Engine
     draft: object   # an Engine
-    scheduler: Scheduler = field(init=False)
+    batching: str = BATCHING[0]
+    max_concurrency: int | None = None
+    schedulers: list[Scheduler] = field(init=False)
 
     def __post_init__(self):
-        self.scheduler = Scheduler(Decoder(self.target, self.draft), self.max_active)
+        if self.batching not in BATCHING:
+            raise ValueError(f"batching must be one of {', '.join(BATCHING)}; got {self.batching!r}")
+        slots = min(engine.info.limits.max_batch for engine in (self.target, self.draft))
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        concurrency = min(self.max_concurrency or slots, slots)
+        if self.batching == "iteration":
+            self.schedulers = [Scheduler(Decoder(self.target, self.draft), concurrency)]
+        else:
+            self.schedulers = [Scheduler(Decoder(self.target, self.draft), 1) for _ in range(concurrency)]
 
     @property
     def max_active(self) -> int:
-        """Requests decoded at once: what both engines have KV slots for."""
-        return min(engine.info.limits.max_batch for engine in (self.target, self.draft))
+        """Requests decoded at once."""
+        return sum(scheduler.max_active for scheduler in self.schedulers)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a KV slot."""
+        return sum(scheduler.queued for scheduler in self.schedulers)
+
+    def observe_rounds(self, on_round) -> None:
+        """Tell `on_round(batch)` of every round, after it ran."""
+        for scheduler in self.schedulers:
+            scheduler.on_round = on_round
 
     def close(self) -> None:
-        self.scheduler.close()
-        self.scheduler.decoder.close()
+        """Finish what was submitted and stop the decoding threads."""
+        for scheduler in self.schedulers:
+            scheduler.close()
+            scheduler.decoder.close()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     @classmethod
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None,
              engines: str | Path | None = None, threads: int | None = 1,
-             options: DecodeOptions | None = None) -> "Pipeline":
+             options: DecodeOptions | None = None, **scheduling) -> "Pipeline":
         """Checkpoint folders (`target` and `draft`) or a built engine folder (`engines`).
 
         `threads` sets torch's intra-op threads: the target and the draft each run on one
         core, so a second thread each would oversubscribe a 2-core machine. `options`
         starts a request-level target (TensorRT-LLM) with those decoding knobs now rather
-        than at the first request.
+        than at the first request. `scheduling`: `batching`, `max_concurrency`.
         """
         if threads:
             torch.set_num_threads(threads)
@@ -81,7 +118,7 @@ class Pipeline:
                               draft_engine.info.tokenizer_fingerprint)
         if options is not None and isinstance(target_engine, RequestTarget):
             target_engine.start(options, draft_engine)
-        return cls(target_engine, draft_engine)
+        return cls(target_engine, draft_engine, **scheduling)
 
     @property
     def tokenizer(self):
@@ -161,4 +198,4 @@ class Pipeline:
     def submit(self, request: Request) -> Future:
         """Queue a checked request (`request`) for the scheduler; its future's result is
         the `Generation`. Requests submitted from several threads batch together."""
-        return self.scheduler.submit(request)
+        return min(self.schedulers, key=lambda scheduler: scheduler.load).submit(request)

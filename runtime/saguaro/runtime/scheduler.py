@@ -21,7 +21,7 @@ from typing import Callable
 
 from saguaro.runtime.decoding import Decoder, Request, Sequence
 
-OnRound = Callable[[list[Sequence]], None]  # told of each round's batch, before it runs
+OnRound = Callable[[list[Sequence]], None]  # told of each round's batch, after it ran
 
 
 class Scheduler:
@@ -33,12 +33,19 @@ class Scheduler:
         self._condition = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._active = 0
 
     @property
     def queued(self) -> int:
         """Requests waiting for a KV slot."""
         with self._condition:
             return len(self._waiting)
+
+    @property
+    def load(self) -> int:
+        """Requests decoding or waiting."""
+        with self._condition:
+            return len(self._waiting) + self._active
 
     def submit(self, request: Request) -> Future:
         """Queue a request; the future's result is its `Generation` (or its error)."""
@@ -69,6 +76,8 @@ class Scheduler:
                 return  # closed, and nothing left to run
             active += self._start(joining)
             active = self._retire(active)
+            with self._condition:
+                self._active = len(active)
             if active:
                 self._round(active)
 
@@ -107,8 +116,6 @@ class Scheduler:
 
     def _round(self, active: list[tuple[Sequence, Future]]) -> None:
         batch = [sequence for sequence, _ in active]
-        if self.on_round is not None:
-            self.on_round(batch)
         try:
             self.decoder.decode_round(batch)
         except Exception as error:  # noqa: BLE001 - a failed round fails its batch, not the server
@@ -116,3 +123,6 @@ class Scheduler:
                 sequence.finish()  # frees its KV slots
                 future.set_exception(error)
             active.clear()
+            return
+        if self.on_round is not None:
+            self.on_round(batch)

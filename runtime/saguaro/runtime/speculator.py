@@ -65,6 +65,10 @@ class Speculator:
         self.cached.extend(tokens)
         return logits[-1]
 
+    def _keep(self, length: int) -> None:
+        self.cache.truncate(length)
+        del self.cached[length:]
+
     def _sync(self, ids: list[int]) -> Forwards:
         """Roll the cache back to what it shares with `ids`, feed the rest, return the
         logits that follow `ids` (the last token is re-fed if it was already cached)."""
@@ -73,8 +77,7 @@ class Speculator:
             if cached != wanted:
                 break
             shared += 1
-        self.cache.truncate(shared)
-        del self.cached[shared:]
+        self._keep(shared)
         return (yield from self._feed(ids[shared:], shared))
 
     def draft(self, ids: list[int], k: int) -> Forwards:
@@ -97,6 +100,7 @@ class Speculator:
         """While the target verifies `draft` (K tokens): draft K tokens for each likely
         outcome (j, t), all branches advancing together in one tree forward per step."""
         k, context_length = len(draft), len(ids)
+        self._keep(context_length + k - 1)  # the round may verify fewer drafts than were drafted
         fanout = feasible_fanout(torch.as_tensor(fanout, dtype=torch.int64), self.engine.info.vocab_size)
         glue = yield from self._feed([int(draft.tokens[-1])], context_length + k - 1)
         scores = torch.cat((draft.logits, glue.unsqueeze(0)))

@@ -25,6 +25,7 @@ from saguaro.runtime.checkpoint import llama_shape, read_config
 from saguaro.runtime.engines.manifest import read_manifest
 from saguaro.runtime.engines.torch_engine import DEFAULT_MAX_CONTEXT as TORCH_MAX_CONTEXT
 from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.pipeline import BATCHING
 
 PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
 DEFAULT_MAX_QUEUE = 1024
@@ -76,7 +77,8 @@ def source_from_checkpoints(target_dir: Path, draft_dir: Path) -> ModelSource:
 
 
 def default_options(source: ModelSource, mode: str, num_draft_tokens: int | None,
-                    fanout: tuple[int, ...] | None, budget: int | str | None) -> DecodeOptions:
+                    fanout: tuple[int, ...] | None, budget: int | str | None,
+                    adapt_k: bool = True) -> DecodeOptions:
     """The knobs a request gets when it gives none: `DecodeOptions`' defaults, with K and
     the fan-out shrunk to fit what the engines were built for unless given explicitly
     (then they must fit)."""
@@ -85,7 +87,8 @@ def default_options(source: ModelSource, mode: str, num_draft_tokens: int | None
         k = min(DECODE_DEFAULTS.num_draft_tokens, source.max_draft_tokens or DECODE_DEFAULTS.num_draft_tokens)
     if fanout is None and budget is None and source.max_branches is not None:
         fanout = (max(1, min(max(DECODE_DEFAULTS.fanout), source.max_branches // (k + 1))),)
-    options = DecodeOptions(mode=mode, num_draft_tokens=k, fanout=fanout or DECODE_DEFAULTS.fanout, budget=budget)
+    options = DecodeOptions(mode=mode, num_draft_tokens=k, fanout=fanout or DECODE_DEFAULTS.fanout, budget=budget,
+                            adapt_k=adapt_k)
     if source.max_draft_tokens is not None and k > source.max_draft_tokens:
         raise ValueError(f"--num-draft-tokens {k} exceeds the engines' built maximum {source.max_draft_tokens}")
     branches = options.fanout_policy(source.max_branches).max_branches
@@ -95,7 +98,7 @@ def default_options(source: ModelSource, mode: str, num_draft_tokens: int | None
 
 
 def template_values(source: ModelSource, options: DecodeOptions, max_concurrency: int | None,
-                    max_queue: int) -> dict[str, str]:
+                    max_queue: int, batching: str = BATCHING[0]) -> dict[str, str]:
     def text(value) -> str:
         return "" if value is None else str(value)
 
@@ -105,7 +108,8 @@ def template_values(source: ModelSource, options: DecodeOptions, max_concurrency
             "default_decoding_mode": options.mode,
             "default_num_draft_tokens": str(options.num_draft_tokens),
             "default_fanout": ",".join(map(str, options.fanout)), "default_budget": text(options.budget),
-            "max_concurrency": text(max_concurrency), "max_queue": str(max_queue)}
+            "default_adapt_k": str(options.adapt_k).lower(),
+            "max_concurrency": text(max_concurrency), "max_queue": str(max_queue), "batching": batching}
 
 
 def fill(template: str, values: dict[str, str], where: str) -> str:
@@ -153,6 +157,11 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     knobs = parser.add_argument_group("what a request gets for the SSD knobs it leaves out "
                                       "(K and the fan-out are capped by the engines' limits)")
     add_decoding_arguments(knobs, defaults=None, per_request_flags=False)
+    knobs.add_argument("--fixed-k", action="store_true",
+                       help="K drafts every round, instead of K per round from the load policy")
+    parser.add_argument("--batching", choices=BATCHING, default=BATCHING[0],
+                        help="iteration: one scheduler batches every request's rounds (default); "
+                             "per-request: each request decoded alone in a thread of its own (a baseline)")
     parser.add_argument("--max-concurrency", type=int,
                         help="requests decoded together (default: the engines' KV slots, their max_batch)")
     parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
@@ -173,8 +182,9 @@ def values_from_args(args: argparse.Namespace) -> dict[str, str]:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-    options = default_options(source, args.mode, args.num_draft_tokens, args.fanout, args.budget)
-    return template_values(source, options, args.max_concurrency, args.max_queue)
+    options = default_options(source, args.mode, args.num_draft_tokens, args.fanout, args.budget,
+                              adapt_k=not args.fixed_k)
+    return template_values(source, options, args.max_concurrency, args.max_queue, args.batching)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

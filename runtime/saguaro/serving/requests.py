@@ -63,6 +63,7 @@ def defaults_from_parameters(parameters: dict[str, str]) -> DecodeOptions:
         fields["fanout"] = parse_fanout(given["default_fanout"])
     if "default_budget" in given:
         fields["budget"] = parse_budget(given["default_budget"])
+    fields["adapt_k"] = given.get("default_adapt_k", "true").lower() == "true"
     return DecodeOptions(**fields)
 
 
@@ -189,10 +190,11 @@ def parse_request(get: GetInput, defaults: DecodeOptions, limits: ModelLimits) -
     refuse_unhonoured(get)
     prompt_ids = parse_prompt(get, limits)
     fanout = ids_of(get, "fanout")
+    pinned_k = scalar(get, "num_draft_tokens")  # a client that names K keeps it every round
     options = build_naming_inputs(DecodeOptions, [
         ("decoding_mode", "mode", given_or(scalar(get, "decoding_mode"), defaults.mode)),
-        ("num_draft_tokens", "num_draft_tokens",
-         given_or(scalar(get, "num_draft_tokens"), defaults.num_draft_tokens)),
+        ("num_draft_tokens", "num_draft_tokens", given_or(pinned_k, defaults.num_draft_tokens)),
+        ("num_draft_tokens", "adapt_k", defaults.adapt_k and pinned_k is None),
         ("fanout", "fanout", tuple(fanout) if fanout else defaults.fanout),
         ("budget", "budget", given_or(scalar(get, "budget"), defaults.budget)),
         ("saguaro_factor", "saguaro_factor", scalar(get, "saguaro_factor")),

@@ -1,0 +1,300 @@
+"""How many tokens each request drafts this round, and how many branches it may
+pre-speculate: chosen from measured costs and acceptance, so that speculation follows load.
+
+Speculation trades target compute for draft work: a round verifies `K + 1` tokens per
+request to commit `E(K)` of them. At batch 1 the target is weight-bound and verifying
+five tokens costs little more than one, so drafting pays; in a full batch every verified
+token costs compute, and drafts that are rejected are paid for by every other request.
+The policy models a round from what the decoder measures as it runs:
+
+    verify(N) = a + b N      one target verification over N tokens (N = sum of K_r + 1)
+    draft(R)  = c + d R      one step of ordinary drafting for R requests
+    tree(R)   = e + f R      one step of pre-speculation over R branch rows
+    host(n)   = g + h n      the rest of a round of n requests (host work)
+
+    E_r(K)    = 1 + sum_{i=1..K} alpha_1 ... alpha_i      (alpha_j: P(accept depth j | j-1 accepted))
+    T(K)      = verify(sum K_r + 1) + host(n) + max K_r * draft(requests that draft after the round)
+                + max(0, (max K_r + 1) * tree(branch rows) - verify)
+
+and picks the K of every request that maximises the batch's tokens per second,
+`sum E_r(K_r) / T(K)`: the best K shared by all first, then one pass that moves each
+request's K by one where that pays (a request whose drafts are rejected more often drafts
+less), with and without pre-speculation (it pays when its hits save more drafting than
+its overrun costs). K = 0 is autoregressive decoding. Nothing is a hand-set threshold:
+every figure is measured here, on this machine, while serving: the steps are timed whole,
+host work included, since on a small model the host's share is most of a step.
+
+Acceptance by depth and the cache-hit rate are shared by every request of the same kind
+(greedy or sampled), so a new request starts from what the others showed, and are
+blended with the request's own counts as they come in. Costs start from a short
+calibration of each engine (a few forwards at different sizes) and follow the measured
+rounds after that, with old measurements fading. The pre-speculation budget is the
+number of branch rows a tree step can take while staying under the verification.
+
+Greedy output does not depend on K. A sampled request's output for a given seed does (it
+is distributed exactly as the target's for every K, but K changes which tokens a seed
+draws), so a sampled request keeps its K and samples exactly what it samples alone, for
+its seed, whatever the load; only its pre-speculation (on or off, how many branches)
+follows the policy, which changes no token. A request that names its K keeps it too.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from saguaro.runtime.contracts import Step
+from saguaro.runtime.stats import stopwatch
+
+CALIBRATION_SIZES = (1, 4, 16, 48)  # tokens (target) or rows (draft) per calibration forward
+CALIBRATION_CONTEXT = 64                # cached tokens behind them (at most half the context)
+FADING = 0.98                     # weight of older measurements after each new one
+SHARED_FADING = 0.995             # of the acceptance counts shared by all requests (per round)
+PRIOR_WEIGHT = 8.0                # pseudo-rounds of the shared estimate in a request's own
+# Before anything was measured: optimistic about acceptance, so that the first rounds
+# draft and measure it (and so do later ones, once the shared counts have faded).
+UNSEEN_ACCEPTANCE, UNSEEN_HIT_RATE = 0.8, 0.5
+
+
+class LinearCost:
+    """Seconds of one forward as `a + b * size`, by weighted least squares over the
+    measurements, older ones fading."""
+
+    def __init__(self):
+        self.weight = self.x = self.y = self.xx = self.xy = 0.0
+
+    def observe(self, size: float, seconds: float) -> None:
+        self.weight, self.x, self.y = FADING * self.weight + 1, FADING * self.x + size, FADING * self.y + seconds
+        self.xx, self.xy = FADING * self.xx + size * size, FADING * self.xy + size * seconds
+
+    @property
+    def known(self) -> bool:
+        return self.weight > 0
+
+    def coefficients(self) -> tuple[float, float]:
+        mean_x, mean_y = self.x / self.weight, self.y / self.weight
+        spread = self.xx / self.weight - mean_x ** 2
+        slope = max((self.xy / self.weight - mean_x * mean_y) / spread, 0.0) if spread > 1e-9 else 0.0
+        return max(mean_y - slope * mean_x, 0.0), slope
+
+    def __call__(self, size: float) -> float:
+        if size <= 0 or not self.known:
+            return 0.0
+        intercept, slope = self.coefficients()
+        return intercept + slope * size
+
+
+def calibrate(engine, cost: LinearCost, sizes=CALIBRATION_SIZES) -> None:
+    """A few forwards of different sizes in one spare cache, so that the first rounds'
+    choice has costs to go on (a forward's cost depends on the machine, not the request)."""
+    context = min(CALIBRATION_CONTEXT, engine.info.max_context // 2)
+    largest = min(max(sizes), engine.info.max_context - context - 1)
+    cache = engine.new_cache(context + largest)
+    try:
+        engine.forward_batch([Step(cache, torch.ones(context, dtype=torch.int64), torch.arange(context))])
+        for size in [s for s in sizes if s <= largest] * 2:  # the first pass warms up
+            with stopwatch() as elapsed:
+                engine.forward_batch([Step(cache, torch.ones(size, dtype=torch.int64),
+                                           torch.arange(context, context + size))])
+            cache.truncate(context)
+            cost.observe(size, elapsed.seconds)
+    finally:
+        cache.release()
+
+
+@dataclass
+class Acceptance:
+    """Counts of drafts verified and accepted at each depth 1..K, and of cache lookups;
+    with `fading` < 1 older rounds count less (shared counts follow the workload)."""
+
+    verified: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+    hits: float = 0.0
+    lookups: float = 0.0
+    fading: float = 1.0
+
+    def record(self, verified: int, accepted: int) -> None:
+        if self.fading < 1:
+            self.verified = [self.fading * v for v in self.verified]
+            self.accepted = [self.fading * a for a in self.accepted]
+        while len(self.verified) < verified:
+            self.verified.append(0.0)
+            self.accepted.append(0.0)
+        for depth in range(verified):
+            if depth > accepted:
+                break
+            self.verified[depth] += 1
+            self.accepted[depth] += depth < accepted
+
+    def record_lookup(self, hit: bool) -> None:
+        self.hits, self.lookups = self.fading * self.hits + hit, self.fading * self.lookups + 1
+
+    def rate(self, depth: int, prior: float) -> float:
+        """P(accept the draft at `depth` + 1 | the ones before accepted), smoothed toward `prior`."""
+        seen = self.verified[depth] if depth < len(self.verified) else 0.0
+        taken = self.accepted[depth] if depth < len(self.accepted) else 0.0
+        return (taken + PRIOR_WEIGHT * prior) / (seen + PRIOR_WEIGHT)
+
+    def rates(self, depths: int, priors: list[float] | None = None) -> list[float]:
+        """`rate` at depths 0..depths-1; a depth seen little leans on `priors`, or else on
+        the depth before it (drafts a policy rarely verifies that deep are not assumed bad)."""
+        rates = []
+        for depth in range(depths):
+            prior = priors[depth] if priors else (rates[-1] if rates else UNSEEN_ACCEPTANCE)
+            rates.append(self.rate(depth, prior))
+        return rates
+
+    def hit_rate(self, prior: float) -> float:
+        return (self.hits + PRIOR_WEIGHT * prior) / (self.lookups + PRIOR_WEIGHT)
+
+
+@dataclass
+class Plan:
+    """What a round does for one request: drafts to verify, whether to pre-speculate
+    their outcomes, and the branches it may use."""
+
+    draft_tokens: int
+    prespeculate: bool = True
+    branches: int | None = None  # None: as many as the request's fan-out places
+
+
+class LoadPolicy:
+    """One per decoder: the shared estimates and the choice of every round's K."""
+
+    def __init__(self, target, draft):
+        self.verify_cost, self.draft_cost, self.tree_cost = LinearCost(), LinearCost(), LinearCost()
+        self.host_cost = LinearCost()
+        self.shared = {greedy: Acceptance(fading=SHARED_FADING) for greedy in (True, False)}
+        self._engines = (target, draft)
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        self.verify_cost.observe(tokens, seconds)
+
+    def observe_drafting(self, requests: int, steps: int, seconds: float) -> None:
+        if steps:
+            self.draft_cost.observe(requests, seconds / steps)
+
+    def observe_prespeculation(self, rows: int, steps: int, seconds: float) -> None:
+        """`steps` forwards (glue and tree steps) over `rows` branch rows each."""
+        if steps:
+            self.tree_cost.observe(rows, seconds / steps)
+
+    def observe_host(self, requests: int, seconds: float) -> None:
+        """What a round took beyond its forwards and waits, which every round pays."""
+        self.host_cost.observe(requests, max(seconds, 0.0))
+
+    def record_round(self, own: Acceptance, greedy: bool, verified: int, accepted: int) -> None:
+        for counts in (own, self.shared[greedy]):
+            counts.record(verified, accepted)
+
+    def record_lookup(self, own: Acceptance, greedy: bool, hit: bool) -> None:
+        for counts in (own, self.shared[greedy]):
+            counts.record_lookup(hit)
+
+    def calibrate(self) -> None:
+        """Costs to start from; the decoder calls it before its first sequences take
+        their KV slots (calibrating needs one of each engine's)."""
+        target, draft = self._engines
+        if not self.verify_cost.known:
+            calibrate(target, self.verify_cost)
+        if not self.draft_cost.known:
+            calibrate(draft, self.draft_cost)
+            self.tree_cost = copy.deepcopy(self.draft_cost)
+
+    def choose(self, batch) -> list[Plan]:
+        """The plan of each `batch` entry (a `decoding.Sequence`: its `k`, `adapts`,
+        `steered`, `acceptance`, `greedy`, `prespeculating` and `room`)."""
+        self.calibrate()
+        candidates = [self._candidate(sequence) for sequence in batch]
+        choices = [self._best(candidates, speculating) for speculating in self._speculation_choices(candidates)]
+        candidates, ks = max(choices, key=lambda choice: self._rate(*choice))
+        branches = self._branch_rows(candidates, ks)
+        return [Plan(k, c.prespeculating, branches if c.steered and c.prespeculating and k else None)
+                for c, k in zip(candidates, ks)]
+
+    @staticmethod
+    def _speculation_choices(candidates) -> list[bool]:
+        """Pre-speculate or not this round (adapting requests): it pays when its hits
+        save more drafting than it costs in waiting."""
+        return [True, False] if any(c.steered and c.prespeculating for c in candidates) else [True]
+
+    def _best(self, candidates, speculating: bool):
+        if not speculating:
+            candidates = [replace(c, prespeculating=False, hit=0.0) if c.steered else c for c in candidates]
+        ks = self._refined(candidates, self._best_shared_k(candidates))
+        return candidates, ks
+
+    def _candidate(self, sequence) -> "_Candidate":
+        shared = self.shared[sequence.greedy]
+        rates = sequence.acceptance.rates(sequence.k, shared.rates(sequence.k))
+        reach = [1.0]
+        for rate in rates:
+            reach.append(reach[-1] * rate)  # reach[i]: P(the first i drafts all accepted)
+        most = max(min(sequence.k, sequence.room - 1), 0)
+        hit = sequence.acceptance.hit_rate(shared.hit_rate(UNSEEN_HIT_RATE)) if sequence.prespeculating else 0.0
+        return _Candidate(most, sequence.adapts, sequence.steered, reach, hit, sequence.prespeculating)
+
+    def _round_seconds(self, candidates, ks) -> float:
+        verify = self.verify_cost(sum(k + 1 for k in ks))
+        host = self.host_cost(len(candidates))
+        drafting = [(c, k) for c, k in zip(candidates, ks) if k]
+        if not drafting:
+            return verify + host
+        misses = sum(1 - c.hit for c, _ in drafting)
+        critical = max(k for _, k in drafting) * self.draft_cost(misses) if misses > 1e-6 else 0.0
+        speculating = [k for c, k in drafting if c.prespeculating]
+        overrun = 0.0
+        if speculating:
+            rows = len(speculating) * (max(speculating) + 1)  # at least one branch per depth and request
+            overrun = max(0.0, (max(speculating) + 1) * self.tree_cost(rows) - verify)
+        return verify + host + critical + overrun
+
+    def _rate(self, candidates, ks) -> float:
+        tokens = sum(c.expected_tokens(k) for c, k in zip(candidates, ks))
+        return tokens / max(self._round_seconds(candidates, ks), 1e-9)
+
+    def _best_shared_k(self, candidates) -> list[int]:
+        deepest = max((c.most for c in candidates), default=0)
+        options = [[min(k, c.most) if c.adapts else c.most for c in candidates] for k in range(deepest + 1)]
+        return max(options, key=lambda ks: self._rate(candidates, ks))
+
+    def _refined(self, candidates, ks) -> list[int]:
+        """One pass: each adapting request's K one up or down, kept where the batch gains."""
+        ks, best = list(ks), self._rate(candidates, ks)
+        for index, candidate in enumerate(candidates):
+            if not candidate.adapts:
+                continue
+            for move in (-1, 1):
+                trial = list(ks)
+                trial[index] = ks[index] + move
+                if 0 <= trial[index] <= candidate.most:
+                    rate = self._rate(candidates, trial)
+                    if rate > best:
+                        ks, best = trial, rate
+        return ks
+
+    def _branch_rows(self, candidates, ks) -> int:
+        """Branches per speculating request that keep pre-speculation (the glue step and
+        max K tree steps of requests x branches rows) under verification."""
+        speculating = [k for c, k in zip(candidates, ks) if c.prespeculating and k]
+        if not speculating:
+            return 0
+        per_step = self.verify_cost(sum(k + 1 for k in ks)) / (max(speculating) + 1)
+        intercept, slope = self.tree_cost.coefficients()
+        rows = (per_step - intercept) / slope if slope > 0 else math.inf
+        return max(1, int(rows // len(speculating))) if math.isfinite(rows) else 1 << 20
+
+
+@dataclass
+class _Candidate:
+    most: int            # the most drafts it may verify this round
+    adapts: bool         # False: K is pinned (to `most`)
+    steered: bool        # its pre-speculation (on or off, branches) follows the policy
+    reach: list[float]   # reach[i]: P(first i drafts accepted)
+    hit: float           # P(its next draft comes from the speculation cache)
+    prespeculating: bool
+
+    def expected_tokens(self, k: int) -> float:
+        return sum(self.reach[:k + 1])

@@ -1,0 +1,267 @@
+"""The server under load: many concurrent streams against a real Triton server, modes side
+by side in one run (`scripts/bench_serving.py`).
+
+    python scripts/bench_serving.py --engines engines/bench
+    python scripts/bench_serving.py --engines engines/tiny --concurrency 1,4 --max-tokens 32
+
+Two servers over the same engines, one after the other: the iteration-level scheduler
+(batched autoregressive, batched speculative with K fixed, batched SSD with the load
+policy), then the baseline it replaces, every request decoded alone in a thread of its
+own (`--batching per-request`). At each concurrency C, C clients each keep one streaming
+request in flight until the level's requests are done. Per mode and C: total output
+tokens/s, per-request inter-token latency and time to first token (p50/p99), and, from
+the server's metrics, the mean batch size and mean K per round. A sampled check
+(temperature 0.8, C = 1) follows. Figures are printed (and written as JSON and a PNG
+plot), never asserted: the targets of the load policy are printed as met or not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import tritonclient.grpc as grpcclient
+
+from saguaro.runtime.bench import PROMPTS
+from saguaro.runtime.arguments import DECODE_DEFAULTS
+from saguaro.serving.client import complete, ensemble_inputs
+from saguaro.serving.launch import Ports, serve
+from saguaro.serving.model_repo import default_options, source_from_engines, template_values
+from saguaro.serving.served_metrics import histogram_mean, scrape
+
+CONCURRENCY = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    batching: str           # the server it runs on
+    inputs: dict            # what each request sends besides prompt and length
+
+
+MODES = [
+    Mode("batched AR", "iteration", {"decoding_mode": "autoregressive"}),
+    Mode("batched SD K=4", "iteration", {"decoding_mode": "speculative", "num_draft_tokens": 4}),
+    Mode("batched SSD policy", "iteration", {"decoding_mode": "ssd"}),
+    Mode("per-request SSD K=4", "per-request", {"decoding_mode": "ssd", "num_draft_tokens": 4}),
+]
+
+
+@dataclass
+class Level:
+    """One mode at one concurrency."""
+
+    mode: str
+    concurrency: int
+    requests: int
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    itl_ms_p50: float
+    itl_ms_p99: float
+    ttft_ms_p50: float
+    ttft_ms_p99: float
+    mean_batch: float
+    mean_k: float
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(share * (len(ordered) - 1))))] if ordered else float("nan")
+
+
+def one_request(url: str, prompt: str, max_tokens: int, inputs: dict):
+    """(output tokens, time to first token s, inter-token latency s) of one streamed request."""
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        completion = complete(client, ensemble_inputs(prompt, max_tokens, True, end_id=-1, **inputs))
+    finally:
+        client.close()
+    tokens, times = completion.num_output_tokens or 0, completion.response_times_s
+    first = times[0]
+    itl = (times[-1] - first) / (tokens - 1) if tokens > 1 else 0.0
+    return tokens, first, itl
+
+
+def run_level(url: str, metrics_port: int, mode: Mode, concurrency: int, requests: int, max_tokens: int,
+              extra: dict) -> Level:
+    """`concurrency` clients, each keeping one request in flight, `requests` in all."""
+    results, lock, next_index = [], threading.Lock(), iter(range(requests))
+    errors: list[Exception] = []
+
+    def client_loop():
+        while True:
+            with lock:
+                index = next(next_index, None)
+            if index is None or errors:
+                return
+            try:
+                outcome = one_request(url, PROMPTS[index % len(PROMPTS)], max_tokens, {**mode.inputs, **extra})
+            except Exception as error:  # noqa: BLE001 - reported after the level
+                errors.append(error)
+                return
+            with lock:
+                results.append(outcome)
+
+    before = scrape(metrics_port)
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - started
+    if errors:
+        raise RuntimeError(f"{mode.name} at concurrency {concurrency}: {errors[0]}")
+    after = scrape(metrics_port)
+    tokens = sum(t for t, _, _ in results)
+    ttft = [1000 * f for _, f, _ in results]
+    itl = [1000 * i for _, _, i in results]
+    return Level(mode.name, concurrency, len(results), tokens, seconds, tokens / seconds,
+                 percentile(itl, 0.5), percentile(itl, 0.99), percentile(ttft, 0.5), percentile(ttft, 0.99),
+                 histogram_mean(before, after, "ssd_batch_size"), histogram_mean(before, after, "ssd_draft_tokens"))
+
+
+def serve_for(engines: Path, batching: str, run_dir: Path, max_concurrency: int | None):
+    source = source_from_engines(engines)
+    options = default_options(source, "ssd", None, None, None)
+    values = template_values(source, options, max_concurrency, max_queue=1024, batching=batching)
+    return serve(values, run_dir, Ports.free())
+
+
+def print_level(level: Level) -> None:
+    print(f"{level.mode:22s} {level.concurrency:4d} {level.tokens_per_s:9.1f} {level.itl_ms_p50:8.2f} "
+          f"{level.itl_ms_p99:8.2f} {level.ttft_ms_p50:8.1f} {level.ttft_ms_p99:8.1f} "
+          f"{level.mean_batch:6.2f} {level.mean_k:5.2f}", flush=True)
+
+
+HEADER = (f"{'mode':22s} {'C':>4s} {'tok/s':>9s} {'ITL p50':>8s} {'ITL p99':>8s} {'TTFT p50':>8s} "
+          f"{'TTFT p99':>8s} {'batch':>6s} {'K':>5s}")
+
+
+def run_modes(args, modes: list[Mode], extra: dict, concurrency: tuple[int, ...], label: str) -> list[Level]:
+    levels = []
+    for batching in dict.fromkeys(mode.batching for mode in modes):
+        with tempfile.TemporaryDirectory(prefix="saguaro-load-") as run_dir:
+            print(f"[{label}] starting a server (batching {batching}) ...", flush=True)
+            with serve_for(args.engines, batching, Path(run_dir), args.max_concurrency) as server:
+                url = f"127.0.0.1:{server.ports.grpc}"
+                for mode in [m for m in modes if m.batching == batching]:
+                    run_level(url, server.ports.metrics, mode, 1, 2, args.max_tokens, extra)  # warm-up
+                    for c in concurrency:
+                        level = run_level(url, server.ports.metrics, mode, c, max(args.min_requests, 2 * c),
+                                          args.max_tokens, extra)
+                        print_level(level)
+                        levels.append(level)
+    return levels
+
+
+def figure(levels: list[Level], mode: str, concurrency: int, field: str) -> float | None:
+    for level in levels:
+        if level.mode == mode and level.concurrency == concurrency:
+            return getattr(level, field)
+    return None
+
+
+def ratio(numerator, denominator) -> str:
+    return f"{numerator / denominator:.2f}x" if numerator and denominator else "-"
+
+
+def print_targets(levels: list[Level], sampled: list[Level]) -> None:
+    """The load policy's targets, as measured in this run (figures, not assertions)."""
+    ar, sd, ssd, alone = (m.name for m in MODES)
+    rows = [
+        ("C=1: batched SSD / per-request SSD (>= 0.95)", figure(levels, ssd, 1, "tokens_per_s"),
+         figure(levels, alone, 1, "tokens_per_s")),
+        ("C=16: batched AR / its C=1 (>= 5)", figure(levels, ar, 16, "tokens_per_s"), figure(levels, ar, 1, "tokens_per_s")),
+        ("C=16: SSD policy / its C=1 (>= 5)", figure(levels, ssd, 16, "tokens_per_s"),
+         figure(levels, ssd, 1, "tokens_per_s")),
+        ("C=16: SSD policy / batched AR (>= 0.95)", figure(levels, ssd, 16, "tokens_per_s"),
+         figure(levels, ar, 16, "tokens_per_s")),
+        ("C=2: SSD policy / batched SD (> 1)", figure(levels, ssd, 2, "tokens_per_s"), figure(levels, sd, 2, "tokens_per_s")),
+        ("C=4: SSD policy / batched SD (> 1)", figure(levels, ssd, 4, "tokens_per_s"), figure(levels, sd, 4, "tokens_per_s")),
+        ("sampled C=1: SSD policy / AR (>= 1)", figure(sampled, ssd, 1, "tokens_per_s"),
+         figure(sampled, ar, 1, "tokens_per_s")),
+        ("sampled C=1: SSD policy / SD (>= 1)", figure(sampled, ssd, 1, "tokens_per_s"),
+         figure(sampled, sd, 1, "tokens_per_s")),
+    ]
+    print("\ntargets (measured ratios):")
+    for name, numerator, denominator in rows:
+        print(f"  {name:46s} {ratio(numerator, denominator)}")
+    for level in levels:
+        if level.mode == ssd and level.mean_k > 0.05:
+            itl_ar = figure(levels, ar, level.concurrency, "itl_ms_p50")
+            print(f"  C={level.concurrency}: SSD keeps K={level.mean_k:.2f}; ITL p50 {level.itl_ms_p50:.2f} ms "
+                  f"vs batched AR {itl_ar:.2f} ms")
+
+
+def plot(levels: list[Level], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no plot: matplotlib is not installed; pip install -e '.[bench]')")
+        return
+    fig, (throughput, latency) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode in dict.fromkeys(level.mode for level in levels):
+        mine = [level for level in levels if level.mode == mode]
+        xs = [level.concurrency for level in mine]
+        throughput.plot(xs, [level.tokens_per_s for level in mine], marker="o", label=mode)
+        latency.plot(xs, [level.itl_ms_p50 for level in mine], marker="o", label=mode)
+    for axis, name in ((throughput, "total output tokens/s"), (latency, "inter-token latency p50 (ms)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrent streams")
+        axis.set_ylabel(name)
+        axis.grid(alpha=0.3)
+    throughput.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench_serving.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", type=Path, required=True, help="a folder made by scripts/build_engines.py")
+    parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)),
+                        help="concurrent streams per level (default %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (end token ignored)")
+    parser.add_argument("--min-requests", type=int, default=4, help="requests per level: max(this, 2 C)")
+    parser.add_argument("--max-concurrency", type=int, help="the servers' KV slots used (default: all)")
+    parser.add_argument("--no-sampled", action="store_true", help="skip the temperature 0.8 check at C=1")
+    parser.add_argument("--out", type=Path, default=Path(".triton/bench_serving"), help="JSON and PNG go here")
+    args = parser.parse_args(argv)
+    try:
+        args.concurrency = tuple(int(c) for c in args.concurrency.split(","))
+    except ValueError:
+        parser.error(f"--concurrency takes integers like 1,2,4; got {args.concurrency!r}")
+    if min(args.concurrency) < 1 or args.max_tokens < 2:
+        parser.error("--concurrency values must be >= 1 and --max-tokens >= 2")
+    if not (args.engines / "manifest.json").is_file():
+        parser.error(f"--engines {args.engines}: no manifest.json (build engines with scripts/build_engines.py)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    print(f"engines {args.engines}, {args.max_tokens} tokens per request, K up to "
+          f"{DECODE_DEFAULTS.num_draft_tokens}, concurrency {','.join(map(str, args.concurrency))}")
+    print(HEADER)
+    levels = run_modes(args, MODES, {}, args.concurrency, "greedy")
+    sampled = [] if args.no_sampled else run_modes(args, MODES[:3], {"temperature": 0.8}, (1,), "temperature 0.8")
+    print_targets(levels, sampled)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "load.json").write_text(json.dumps({"greedy": [asdict(level) for level in levels],
+                                                    "sampled": [asdict(level) for level in sampled]}, indent=1))
+    plot(levels, args.out / "load.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

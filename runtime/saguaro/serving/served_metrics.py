@@ -1,0 +1,27 @@
+"""Reading a running server's Prometheus metrics endpoint (Triton's, with the `ssd`
+model's custom metrics among them)."""
+from __future__ import annotations
+
+import re
+import urllib.request
+
+
+def scrape(port: int, host: str = "127.0.0.1") -> str:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as reply:
+        return reply.read().decode()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The value of the first sample of `name` whose labels include `labels` (0 if none)."""
+    for line in text.splitlines():
+        match = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
+        if match and all(f'{key}="{value}"' in match.group(1) for key, value in labels.items()):
+            return float(match.group(2))
+    return 0.0
+
+
+def histogram_mean(before: str, after: str, name: str) -> float:
+    """Mean of the observations a histogram took between two scrapes (0 if none)."""
+    count = metric(after, f"{name}_count") - metric(before, f"{name}_count")
+    total = metric(after, f"{name}_sum") - metric(before, f"{name}_sum")
+    return total / count if count else 0.0
