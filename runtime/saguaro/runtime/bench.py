@@ -153,7 +153,7 @@ def round_costs(args, pipeline, k: int, branches: int) -> dict:
     report = new_report(str(args.engines or args.target.parent), k)
     trees = tuple(sorted({b for b in (1, 2, 4, 8, 16, branches) if 1 <= b <= max(branches, 1)}))
     measure_pair(report, pipeline.target, pipeline.draft, precision, 1, (ROUND_CONTEXT,), trees, PREFILL_TOKENS,
-                 args.repeats)
+                 args.repeats, args.engines)
     print(format_report(report) + "\n")
     return report.as_dict()
 

@@ -26,7 +26,7 @@ import torch
 from saguaro.runtime.costs import forward_cost
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.calibration import BranchCalibration, machine_name
-from saguaro.runtime.engines.manifest import validate_engine_dir
+from saguaro.runtime.engines.manifest import read_manifest, validate_engine_dir
 
 PREFILL_TOKENS = 128
 CONTEXTS = (64, 256, 768)
@@ -203,11 +203,16 @@ def fitting_contexts(max_context: int, wanted: tuple[int, ...], longest_step: in
 
 
 def measure_pair(report: SuiteReport, target, draft, precision: str, threads: int, contexts: tuple[int, ...],
-                 branches: tuple[int, ...], prefill: int, repeats: int) -> list[EngineCosts]:
-    """Both engines' costs, added to `report` with the budget that hides at each context."""
+                 branches: tuple[int, ...], prefill: int, repeats: int,
+                 engine_dir: Path | None = None) -> list[EngineCosts]:
+    """Both engines' costs (with their files' bytes when they come from `engine_dir`),
+    added to `report` with the budget that hides at each context."""
     fitting = fitting_contexts(target.info.max_context, contexts, max(report.k + 1, *branches))
     measured = [engine_costs(engine, role, precision, threads, report.k, fitting, branches, prefill, repeats)
                 for role, engine in (("target", target), ("draft", draft))]
+    if engine_dir is not None:
+        manifest = read_manifest(engine_dir)
+        measured = [with_files(costs, engine_dir, manifest) for costs in measured]
     report.engines += measured
     report.hidden_branches[threads] = hidden_by_context(measured[0].contexts, measured[1].contexts, report.k)
     return measured
@@ -230,9 +235,8 @@ def run_suite(engine_dir: str | Path, thread_counts: tuple[int | None, ...] = (N
         threads = threads or manifest["build"]["session"]["threads"]
         target, draft = load_engine_pair(engine_dir, threads, threads)
         loaded = resident()
-        measured = measure_pair(report, target, draft, manifest["precision"], threads, contexts, branches,
-                                prefill, repeats)
-        report.engines[-2:] = [with_files(costs, engine_dir, manifest) for costs in measured]
+        measure_pair(report, target, draft, manifest["precision"], threads, contexts, branches, prefill, repeats,
+                     engine_dir)
         if index == 0:
             report.stored_hidden_branches = target.info.hidden_budget(k)
             report.memory = MemoryFigures(before, loaded, resident(), *(e.file_bytes for e in report.engines))
