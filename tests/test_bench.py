@@ -1,4 +1,5 @@
 """The benchmark runs end to end and reports every mode; it measures, it never asserts speed."""
+import json
 import re
 import subprocess
 import sys
@@ -7,16 +8,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_reports_engine_costs_and_all_modes_side_by_side(tiny_engines):
+def test_bench_reports_engine_costs_and_all_modes_side_by_side(tiny_engines, tmp_path):
+    figures = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--engines", str(tiny_engines),
                              "-k", "3", "--budget", "4", "--prompts", "2", "--max-tokens", "16",
-                             "--repeats", "3"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                             "--repeats", "3", "--json", str(figures)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
-    for cost in ("target decode (1 token)", "target verify (4 tokens)", "draft tree step (4 branches)"):
-        assert re.search(re.escape(cost) + r"\s+\d+\.\d+", out), out
+    assert "decode(1)" in out and "verify(4)" in out and "tree(4)" in out
+    costs = [line.split() for line in out.splitlines() if line.startswith(("target ", "draft "))]
+    assert len(costs) == 4 and all(re.fullmatch(r"\d+\.\d+", row[4]) for row in costs[2:]), out
     rows = {line.split()[0]: line.split() for line in out.splitlines()
             if line.startswith(("autoregressive", "speculative", "ssd"))}
     assert set(rows) == {"autoregressive", "speculative", "ssd"}
-    assert rows["autoregressive"][-6] == "1.00"  # the baseline of the "vs AR" column
+    assert rows["autoregressive"][-7] == "1.00"  # the baseline of the "vs AR" column
     assert rows["ssd"][-4] != "-"                  # ssd reports a cache hit rate
+    modes = json.loads(figures.read_text())["modes"]
+    assert [m["tokens"] for m in modes.values()] == [2 * 16] * 3  # every mode generates exactly max tokens
+    assert all(m["prefill_s"] > 0 and m["decode_tokens_per_s"] > 0 for m in modes.values())
+
+
+def test_bench_needs_engines_for_the_engine_suite_and_placement(tmp_path):
+    for flag in ("--engines-only", "--placement", "--assisted"):
+        result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), flag],
+                                capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert result.returncode == 2 and "need --engines DIR" in result.stderr

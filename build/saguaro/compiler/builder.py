@@ -3,6 +3,7 @@
     check everything that can fail (checkpoints, pair, limits, backend, output folder)
     -> export both models -> quantise -> assemble the plugin graphs -> backend build
     -> tokenizer files -> manifest.json (last: its presence means the build completed)
+    -> ONNX Runtime: the branch calibration, timed on the built engines, added to the manifest
 
 The directory is built beside its destination and moved into place at the end, so an
 interrupted build never leaves a half-written engine directory behind.
@@ -26,6 +27,8 @@ from saguaro.compiler import export, onnxruntime_builder
 from saguaro.compiler.config import BuildConfig, ConfigError, config_to_dict
 from saguaro.compiler.tensorrt_builder import TensorRTBuildOptions, build_engine, check_precision_support
 from saguaro.plugins.tensorrt_registry import import_tensorrt
+from saguaro.runtime.engines import load_engine_pair
+from saguaro.runtime.engines.calibration import measure_calibration
 from saguaro.runtime.engines.manifest import MANIFEST_FILE, sha256_file, write_manifest
 from saguaro.runtime.checkpoint import (CheckpointError, check_pair_compatible, end_of_generation_ids, llama_shape,
                                         load_checkpoint, load_tokenizer, read_config, tokenizer_fingerprint)
@@ -241,6 +244,13 @@ def build_role(config: BuildConfig, source: Source, staging: Path, record: Build
         bar.update()
 
 
+def calibrate(config: BuildConfig, engine_dir: Path) -> dict:
+    """The manifest's `calibration` entry: the built pair loaded as the runtime loads it
+    (validated, with the build's session settings) and timed (`engines.calibration`)."""
+    target, draft = load_engine_pair(engine_dir)
+    return measure_calibration(target, draft, config.max_draft_tokens, config.max_branches).to_manifest()
+
+
 def build_engines(config: BuildConfig, out: Path, show_progress: bool = True) -> BuildRecord:
     """Validate everything, then build `out`. Raises ConfigError / CheckpointError up front."""
     out = Path(out)
@@ -261,8 +271,12 @@ def build_engines(config: BuildConfig, out: Path, show_progress: bool = True) ->
             bar.set_description("tokenizer + manifest")
             copy_tokenizer(config.target, staging / TOKENIZER_DIR)
             bar.update()
-            write_manifest(staging, manifest_content(config, sources, record, staging))
+            content = manifest_content(config, sources, record, staging)
+            write_manifest(staging, content)
             bar.update()
+            if config.backend == "onnxruntime":
+                bar.set_description("branch calibration")
+                write_manifest(staging, {**content, "calibration": calibrate(config, staging)})
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # never leave a half-built directory
         raise

@@ -1,28 +1,36 @@
-"""Benchmark the decoding modes side by side on one pair, in one run, and show where the
-time goes. Speed is reported as figures and ratios, never asserted (machines are noisy).
+"""Benchmark a pair on this machine, in one run, and show where the time goes. Speed is
+reported as figures and ratios, never asserted (machines are noisy).
 
     python scripts/bench.py --target models/bench/target --draft models/bench/draft
-    python scripts/bench.py --engines engines/bench -k 4 --budget 8
+    python scripts/bench.py --engines engines/bench -k 4 --budget 8 [--assisted]
+    python scripts/bench.py --engines engines/bench --engines-only [--threads 1,2] [--json out.json]
+    python scripts/bench.py --engines engines/bench --placement
     python scripts/bench.py --engines engines/smollm2 --chat    # a chat model: questions as chat turns
 
-First the engine-level costs (median ms of one forward: target decode, target verify of
-K+1 tokens, draft decode, draft tree step of B branches), then each mode over the same
-prompts: tokens/s, speed-up over autoregressive, acceptance, cache hit rate, and the
-split of time between verifying, drafting on the critical path and waiting.
+Default: the engine-level costs at one context (target decode, verify of K+1 tokens,
+draft decode, tree steps), then each mode over the same prompts, every one generating
+exactly --max-tokens tokens: decode tokens/s (prefill apart), speed-up over
+autoregressive, acceptance, cache hit rate, the split of time between verifying,
+drafting on the critical path and waiting; with checkpoints (or --assisted on engines
+whose checkpoints exist) also transformers' greedy and assisted generation.
+--engines-only: the engine-level latency suite (`engine_suite`). --placement: thread
+placements side by side by SSD speed (`placement`).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-import statistics
-import time
 from pathlib import Path
 
-import torch
-
 from saguaro.runtime.arguments import DECODE_DEFAULTS, flag_type
+from saguaro.runtime.assisted import transformers_timings
+from saguaro.runtime.engine_suite import CONTEXTS, PREFILL_TOKENS, TREE_BRANCHES, format_report, measure_pair, \
+    new_report, run_suite
+from saguaro.runtime.engines.manifest import read_manifest
 from saguaro.runtime.options import DecodeOptions, parse_budget, parse_fanout
 from saguaro.runtime.pipeline import Pipeline
+from saguaro.runtime.placement import PLACEMENTS, placement_pipeline, unpin_this_thread
 from saguaro.runtime.sampling import SamplingParams
 
 PROMPTS = ["The with statement is used to", "A class definition defines a class object",
@@ -32,6 +40,17 @@ PROMPTS = ["The with statement is used to", "A class definition defines a class 
 CHAT_PROMPTS = ["What is the capital of France?", "Explain how a rainbow forms.", "Write a haiku about the sea.",
                 "Give me three tips for learning Python.", "Why is the sky blue?", "What is a prime number?",
                 "Describe a cat to someone who has never seen one.", "How do vaccines work?"]
+ROUND_CONTEXT = 128  # cached tokens of the default run's engine-level costs
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,2; got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"values must be >= 1; got {text!r}")
+    return values
 
 
 def parse_args(argv=None):
@@ -43,107 +62,183 @@ def parse_args(argv=None):
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=DECODE_DEFAULTS.num_draft_tokens)
     parser.add_argument("--fanout", type=flag_type(parse_fanout), default=DECODE_DEFAULTS.fanout)
     parser.add_argument("--budget", type=flag_type(parse_budget), help="B, or 'auto'")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens every prompt generates")
     parser.add_argument("--prompts", type=int, default=4, help="how many of the built-in prompts")
     parser.add_argument("--chat", action="store_true", help="chat questions rendered with the model's template")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--saguaro", type=float, metavar="C", help="also run ssd with Saguaro sampling factor C")
     parser.add_argument("--repeats", type=int, default=20, help="forwards per engine-level timing")
-    return parser.parse_args(argv)
+    parser.add_argument("--assisted", action="store_true",
+                        help="with --engines: also transformers' assisted generation on the manifest's checkpoints")
+    parser.add_argument("--engines-only", action="store_true", help="the engine-level latency suite alone")
+    parser.add_argument("--threads", type=int_list, help="--engines-only: intra-op threads per engine, e.g. 1,2 "
+                                                         "(default: the build's)")
+    parser.add_argument("--contexts", type=int_list, default=CONTEXTS, help="--engines-only: cached tokens")
+    parser.add_argument("--tree-branches", type=int_list, default=TREE_BRANCHES, help="--engines-only: B of tree steps")
+    parser.add_argument("--prefill", type=int, default=PREFILL_TOKENS, help="--engines-only: prefill tokens")
+    parser.add_argument("--placement", action="store_true", help="thread placements side by side by SSD speed")
+    parser.add_argument("--rounds", type=int, default=2, help="--placement: passes over the placements")
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON to this file")
+    args = parser.parse_args(argv)
+    if (args.engines_only or args.placement or args.assisted) and args.engines is None:
+        parser.error("--engines-only, --placement and --assisted need --engines DIR")
+    return args
 
 
-def median_ms(run, repeats: int) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times)
+def write_json(path: Path | None, figures: dict) -> None:
+    if path is not None:
+        path.write_text(json.dumps(figures, indent=2) + "\n")
 
 
-def forward_cost(engine, past: int, count: int, repeats: int) -> float:
-    """Median ms of one forward of `count` tokens after `past` cached ones."""
-    cache = engine.new_cache(past + count + 1)
-    engine.forward(cache, torch.ones(past, dtype=torch.int64), torch.arange(past))
+# -- the default run: the modes side by side -----------------------------------------------
 
-    def step():
-        engine.forward(cache, torch.ones(count, dtype=torch.int64), torch.arange(past, past + count))
-        cache.truncate(past)
-
-    return median_ms(step, repeats)
-
-
-def engine_costs(pipeline, k: int, branches: int, repeats: int) -> None:
-    """Where a round's time goes, and the largest budget whose pre-speculation (one glue
-    forward + K tree steps of B branches) still fits under one verify."""
-    past = 128
-    verify = forward_cost(pipeline.target, past, k + 1, repeats)
-    rows = [("target decode (1 token)", forward_cost(pipeline.target, past, 1, repeats)),
-            (f"target verify ({k + 1} tokens)", verify),
-            ("draft decode (1 token)", forward_cost(pipeline.draft, past, 1, repeats))]
-    budgets = sorted({b for b in (1, 2, 4, 8, 16, branches) if b <= max(branches, 1)})
-    prespeculation = {}
-    for b in budgets:
-        tree_step = forward_cost(pipeline.draft, past, b, repeats)
-        rows.append((f"draft tree step ({b} branches)", tree_step))
-        prespeculation[b] = rows[2][1] + k * tree_step
-    print(f"engine-level cost, median ms at {past} cached tokens:")
-    for name, ms in rows:
-        print(f"  {name:34s} {ms:8.2f}")
-    print(f"  a draft decode step costs 1/{rows[0][1] / rows[2][1]:.1f} of a target decode step")
-    hidden = [b for b, ms in prespeculation.items() if ms <= verify]
-    print(f"  pre-speculation (glue + {k} tree steps) against a {verify:.2f} ms verify: "
-          + ", ".join(f"B={b} {ms:.2f} ms" for b, ms in prespeculation.items()))
-    print(f"  hidden under verification up to B={max(hidden)}\n" if hidden else
-          "  not hidden at any B: SSD saves drafting on hits but the target waits for the rest\n")
-
-
-def run_mode(pipeline, prompts, options, sampling):
-    """`prompts`: token ids of each prompt."""
-    totals = {"tokens": 0, "total_s": 0.0, "verify_s": 0.0, "draft_s": 0.0, "wait_s": 0.0,
-              "rounds": 0, "accepted": 0, "cache_hits": 0, "cache_misses": 0}
+def run_mode(pipeline, prompts, options, sampling) -> dict:
+    """`prompts`: token ids of each prompt; totals over them."""
+    keys = ("tokens", "total_s", "prefill_s", "verify_s", "draft_s", "wait_s", "rounds", "cache_hits", "cache_misses")
+    totals = dict.fromkeys(keys, 0) | {"accepted": 0.0}
     for prompt in prompts:
         stats = pipeline.generate(prompt, options, sampling).stats
-        for key in ("tokens", "total_s", "verify_s", "draft_s", "wait_s", "rounds", "cache_hits", "cache_misses"):
+        for key in keys:
             totals[key] += getattr(stats, key)
         totals["accepted"] += stats.mean_accepted * stats.rounds
+    totals["decode_tokens_per_s"] = totals["tokens"] / (totals["total_s"] - totals["prefill_s"])
     return totals
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.engines:
-        pipeline = Pipeline.load(engines=args.engines)
-    else:
-        pipeline = Pipeline.load(target=args.target, draft=args.draft)
+def mode_options(args, k: int, branch_options: dict) -> list[tuple[str, DecodeOptions]]:
+    """Every mode generates exactly max_tokens (no early end), as transformers' rows do."""
+    common = dict(max_tokens=args.max_tokens, eos_token_id=-1)
+    branches = DecodeOptions(num_draft_tokens=k, **branch_options).fanout_policy().max_branches
+    modes = [("autoregressive", DecodeOptions(mode="autoregressive", **common)),
+             (f"speculative K={k}", DecodeOptions(mode="speculative", num_draft_tokens=k, **common)),
+             (f"ssd K={k} B={branches}", DecodeOptions(mode="ssd", num_draft_tokens=k, **common, **branch_options))]
+    if args.saguaro is not None:
+        modes.append((f"ssd saguaro C={args.saguaro}", DecodeOptions(
+            mode="ssd", num_draft_tokens=k, saguaro_factor=args.saguaro, **common, **branch_options)))
+    return modes
+
+
+def mode_row(name: str, t: dict, baseline: float, prompts: int) -> str:
+    looked_up = t["cache_hits"] + t["cache_misses"]
+    hit = f"{100 * t['cache_hits'] / looked_up:5.0f}" if looked_up else "    -"
+    speed = t["decode_tokens_per_s"]
+    return (f"{name:24s} {speed:7.1f} {speed / baseline:6.2f} {1000 * t['prefill_s'] / prompts:10.1f} "
+            f"{t['accepted'] / t['rounds']:7.2f} {hit} {t['verify_s']:8.2f} {t['draft_s']:8.2f} {t['wait_s']:7.2f}")
+
+
+def transformers_row(name: str, timing, baseline: float, prompts: int) -> str:
+    speed = timing.decode_tokens_per_s
+    return (f"{name:24s} {speed:7.1f} {speed / baseline:6.2f} {1000 * timing.prefill_s / prompts:10.1f} "
+            f"{'-':>7s} {'-':>5s} {'-':>8s} {'-':>8s} {'-':>7s}")
+
+
+def checkpoints_for_assisted(args) -> tuple[Path, Path] | None:
+    """Checkpoints for transformers' rows: the given ones, or with --assisted the manifest's."""
+    if args.engines is None:
+        return args.target, args.draft
+    if not args.assisted:
+        return None
+    models = read_manifest(args.engines)["models"]
+    paths = tuple(Path(models[role]["checkpoint"]) for role in ("target", "draft"))
+    missing = [str(p) for p in paths if not p.is_dir()]
+    if missing:
+        print(f"--assisted: checkpoint {missing[0]} (from the manifest) does not exist; no transformers rows")
+        return None
+    return paths
+
+
+def round_costs(args, pipeline, k: int, branches: int) -> dict:
+    """The engine-level suite at one context, on the loaded pair (any backend)."""
+    precision = read_manifest(args.engines)["precision"] if args.engines else "torch fp32"
+    report = new_report(str(args.engines or args.target.parent), k)
+    trees = tuple(sorted({b for b in (1, 2, 4, 8, 16, branches) if 1 <= b <= max(branches, 1)}))
+    measure_pair(report, pipeline.target, pipeline.draft, precision, 1, (ROUND_CONTEXT,), trees, PREFILL_TOKENS,
+                 args.repeats, args.engines)
+    print(format_report(report) + "\n")
+    return report.as_dict()
+
+
+def run_modes(args) -> dict:
+    pipeline = Pipeline.load(engines=args.engines) if args.engines else Pipeline.load(target=args.target,
+                                                                                      draft=args.draft)
     k = args.num_draft_tokens
     branch_options = dict(fanout=args.fanout, budget=args.budget)
     branches = DecodeOptions(num_draft_tokens=k, **branch_options).fanout_policy().max_branches
-    engine_costs(pipeline, k, branches, args.repeats)
+    figures = {"engine_costs": round_costs(args, pipeline, k, branches), "modes": {}}
 
     sampling = SamplingParams(temperature=args.temperature, seed=0)  # every mode draws the same randomness
     encode = pipeline.encode_chat if args.chat else pipeline.encode
     prompts = [encode(text) for text in (CHAT_PROMPTS if args.chat else PROMPTS)[: args.prompts]]
-    modes = [("autoregressive", DecodeOptions(mode="autoregressive", max_tokens=args.max_tokens)),
-             (f"speculative K={k}", DecodeOptions(mode="speculative", num_draft_tokens=k, max_tokens=args.max_tokens)),
-             (f"ssd K={k} B={branches}", DecodeOptions(mode="ssd", num_draft_tokens=k, max_tokens=args.max_tokens,
-                                                     **branch_options))]
-    if args.saguaro is not None:
-        modes.append((f"ssd saguaro C={args.saguaro}", DecodeOptions(
-            mode="ssd", num_draft_tokens=k, max_tokens=args.max_tokens, saguaro_factor=args.saguaro,
-            **branch_options)))
-    print(f"{'mode':22s} {'tok/s':>7s} {'vs AR':>6s} {'acc/rnd':>7s} {'hit%':>5s} "
+    print(f"{len(prompts)} prompts x {args.max_tokens} tokens; tok/s counts decoding, prefill is per prompt")
+    print(f"{'mode':24s} {'tok/s':>7s} {'vs AR':>6s} {'prefill ms':>10s} {'acc/rnd':>7s} {'hit%':>5s} "
           f"{'verify s':>8s} {'draft s':>8s} {'wait s':>7s}")
     baseline = None
-    for name, options in modes:
-        t = run_mode(pipeline, prompts, options, sampling)
-        speed = t["tokens"] / t["total_s"]
-        baseline = baseline or speed
-        looked_up = t["cache_hits"] + t["cache_misses"]
-        hit = f"{100 * t['cache_hits'] / looked_up:5.0f}" if looked_up else "    -"
-        print(f"{name:22s} {speed:7.1f} {speed / baseline:6.2f} {t['accepted'] / t['rounds']:7.2f} {hit} "
-              f"{t['verify_s']:8.2f} {t['draft_s']:8.2f} {t['wait_s']:7.2f}")
+    for name, options in mode_options(args, k, branch_options):
+        totals = run_mode(pipeline, prompts, options, sampling)
+        baseline = baseline or totals["decode_tokens_per_s"]
+        print(mode_row(name, totals, baseline, len(prompts)))
+        figures["modes"][name] = totals
+    checkpoints = checkpoints_for_assisted(args)
+    if checkpoints is not None and args.temperature == 0:
+        for name, timing in transformers_timings(*checkpoints, prompts, args.max_tokens).items():
+            print(transformers_row(name, timing, baseline, len(prompts)))
+            figures["modes"][name] = {"tokens": timing.tokens, "total_s": timing.total_s,
+                                      "prefill_s": timing.prefill_s,
+                                      "decode_tokens_per_s": timing.decode_tokens_per_s}
+    return figures
+
+
+# -- --placement ----------------------------------------------------------------------------
+
+def run_placements(args) -> dict:
+    """SSD (and autoregressive) decode tokens/s under each placement, `--rounds` passes
+    interleaved so that a busy spell of the machine does not land on one option only."""
+    k = args.num_draft_tokens
+    options = dict(max_tokens=args.max_tokens, eos_token_id=-1)
+    modes = {"ssd": DecodeOptions(mode="ssd", num_draft_tokens=k, fanout=args.fanout, budget=args.budget, **options),
+             "autoregressive": DecodeOptions(mode="autoregressive", **options)}
+    sampling = SamplingParams(temperature=args.temperature, seed=0)
+    speeds = {p.name: {mode: [] for mode in modes} for p in PLACEMENTS}
+    for _ in range(args.rounds):
+        for placement in PLACEMENTS:
+            pipeline = placement_pipeline(args.engines, placement)
+            prompts = [pipeline.encode(text) for text in PROMPTS[: args.prompts]]
+            try:
+                for mode, decode in modes.items():
+                    speeds[placement.name][mode].append(
+                        run_mode(pipeline, prompts, decode, sampling)["decode_tokens_per_s"])
+            finally:
+                pipeline.decoder.close()
+                unpin_this_thread()
+    print_placements(args, speeds)
+    return {"placements": speeds}
+
+
+def print_placements(args, speeds: dict) -> None:
+    def mean(values):
+        return sum(values) / len(values)
+
+    today = mean(speeds[PLACEMENTS[0].name]["ssd"])
+    print(f"thread placement on {args.engines} ({read_manifest(args.engines)['precision']}), "
+          f"{args.prompts} prompts x {args.max_tokens} tokens, K={args.num_draft_tokens}, mean of {args.rounds} passes")
+    print(f"{'placement':40s} {'ssd tok/s':>9s} {'range':>13s} {'vs default':>10s} {'AR tok/s':>8s} {'ssd/AR':>6s}")
+    for name, by_mode in speeds.items():
+        ssd, ar = by_mode["ssd"], by_mode["autoregressive"]
+        print(f"{name:40s} {mean(ssd):9.1f} {min(ssd):6.1f}-{max(ssd):6.1f} {mean(ssd) / today:10.2f} "
+              f"{mean(ar):8.1f} {mean(ssd) / mean(ar):6.2f}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.engines_only:
+        report = run_suite(args.engines, args.threads or (None,), args.num_draft_tokens, args.contexts,
+                           args.tree_branches, args.prefill, args.repeats)
+        print(format_report(report))
+        write_json(args.json, report.as_dict())
+    elif args.placement:
+        write_json(args.json, run_placements(args))
+    else:
+        write_json(args.json, run_modes(args))
     return 0
 
 

@@ -71,6 +71,9 @@ class EngineInfo:
     bos_token_id: int | None
     tokenizer_fingerprint: str
     limits: EngineLimits | None = None  # None: no limit beyond max_context (torch engines)
+    # by K: the largest branch budget whose pre-speculation hides under one verify on the
+    # machine that built the engines (`engines.calibration`); None: not measured
+    hidden_branches: tuple[int, ...] | None = None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -84,6 +87,12 @@ class EngineInfo:
     @property
     def max_branches(self) -> int | None:
         return None if self.limits is None else self.limits.max_branches
+
+    def hidden_budget(self, k: int) -> int | None:
+        """Branches that hide under a verify of K+1 tokens; None when not measured for K."""
+        if self.hidden_branches is None or not 0 <= k < len(self.hidden_branches):
+            return None
+        return self.hidden_branches[k]
 
 
 class Cache(Protocol):
@@ -167,8 +176,12 @@ class RequestTarget(Protocol):
 
 
 def causal_mask(past: int, count: int) -> torch.Tensor:
-    """`[count, past + count]`: new token i sees the past and new tokens 0..i."""
-    return torch.ones(count, past + count, dtype=torch.bool).tril(diagonal=past)
+    """`[count, past + count]`: new token i sees the past and new tokens 0..i.
+
+    Compared, not `tril`led: torch's tril kernel hands even a two-row mask to its thread
+    pool, and waking a pool thread on a busy machine costs a scheduler tick (4-8 ms, more
+    than a whole draft step) on every verify and tree step."""
+    return torch.arange(past + count) <= torch.arange(past, past + count).unsqueeze(1)
 
 
 @dataclass

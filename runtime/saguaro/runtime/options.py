@@ -97,3 +97,19 @@ def parse_budget(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise ValueError(f"budget takes an integer or 'auto'; got {text!r}") from None
+
+
+def hidden_branch_options(hidden_branches: int | None, num_draft_tokens: int) -> dict:
+    """The `DecodeOptions` branch fields that spend an engine's hidden budget
+    (`EngineInfo.hidden_budget(K)`: the branches whose pre-speculation fits under one
+    verify): the same fan-out F = B // (K+1) at every depth when that places a branch at
+    each, else B placed online where hits are likeliest, none when B is 0 (pre-speculation
+    would only make the target wait); the default fan-out when B was never measured."""
+    if hidden_branches is None:
+        return {"fanout": DEFAULT_FANOUT, "budget": None}
+    per_depth = hidden_branches // (num_draft_tokens + 1)
+    if per_depth >= 1:
+        return {"fanout": (per_depth,), "budget": None}
+    if hidden_branches >= 1:
+        return {"fanout": DEFAULT_FANOUT, "budget": hidden_branches}
+    return {"fanout": (0,), "budget": None}

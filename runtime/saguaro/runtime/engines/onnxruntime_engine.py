@@ -169,10 +169,12 @@ def slot_capacity(role: str, manifest: dict) -> int:
     return target_cache_capacity(build["max_context"], build["max_draft_tokens"])
 
 
-def open_engine(engine_dir: Path, role: str, manifest: dict, tokenizer, threads: int | None = None):
-    """The `role` ("target" or "draft") engine of a validated engine directory."""
+def open_engine(engine_dir: Path, role: str, manifest: dict, tokenizer, threads: int | None = None,
+                settings: SessionSettings | None = None):
+    """The `role` ("target" or "draft") engine of a validated engine directory, with the
+    build's session settings (`threads` overrides their thread count) or with `settings`."""
     model = manifest["models"][role]
-    settings = SessionSettings.from_manifest(manifest, threads)
+    settings = settings or SessionSettings.from_manifest(manifest, threads)
     sessions = {kind: open_session(engine_dir / files["engine"], settings)
                 for kind, files in model["graphs"].items()}
     return OnnxRuntimeEngine(sessions, engine_info("onnxruntime", engine_dir, role, manifest), tokenizer,

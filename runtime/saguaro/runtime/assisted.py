@@ -1,0 +1,71 @@
+"""Transformers' own speculative decoding ("assisted generation": `generate(...,
+assistant_model=draft)`), timed on the benchmark's prompts as a baseline row.
+
+Greedy, and exactly `max_tokens` new tokens per prompt (`min_new_tokens` equal to
+`max_new_tokens`), as the benchmark's own rows generate. Its prefill is timed apart, as a
+one-token generation, so that tokens/s counts decoding only. It runs on every core (its
+target and draft take turns, so nothing else wants them).
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from saguaro.runtime.stats import stopwatch
+
+
+@dataclass(frozen=True)
+class Timing:
+    tokens: int
+    total_s: float
+    prefill_s: float
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.tokens / (self.total_s - self.prefill_s)
+
+
+@contextmanager
+def torch_threads(count: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def load_model(path: Path):
+    from transformers import AutoModelForCausalLM  # only when a transformers row is asked for
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # its notes on generate()'s arguments, not ours to fix
+    logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def generate_timed(model, prompt: list[int], max_tokens: int, **extra) -> float:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode(), stopwatch() as elapsed:
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+                       min_new_tokens=max_tokens, pad_token_id=model.config.eos_token_id, **extra)
+    return elapsed.seconds
+
+
+def transformers_timings(target_dir: Path, draft_dir: Path, prompts: list[list[int]],
+                         max_tokens: int) -> dict[str, Timing]:
+    """Greedy `generate` alone and with the draft as its assistant, on every prompt."""
+    with torch_threads(os.cpu_count()):
+        target, draft = load_model(target_dir), load_model(draft_dir)
+        rows = {"transformers greedy": {}, "transformers assisted": {"assistant_model": draft}}
+        timings = {}
+        for name, extra in rows.items():
+            generate_timed(target, prompts[0], max_tokens, **extra)  # warm-up
+            total = sum(generate_timed(target, p, max_tokens, **extra) for p in prompts)
+            prefill = sum(generate_timed(target, p, 1) for p in prompts)
+            timings[name] = Timing(max_tokens * len(prompts), total, prefill)
+    return timings

@@ -1,0 +1,91 @@
+"""The hidden branch budget: measured at build time, stored in the manifest, read back on
+the engine info, turned into decoding options; old manifests without it still load."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from saguaro.compiler.builder import build_engines
+from saguaro.compiler.config import BuildConfig
+from saguaro.runtime.contracts import causal_mask
+from saguaro.runtime.engines import load_engine_pair
+from saguaro.runtime.engines.calibration import BranchCalibration
+from saguaro.runtime.engines.manifest import MANIFEST_FILE
+from saguaro.runtime.options import DEFAULT_FANOUT, DecodeOptions, hidden_branch_options
+
+
+def calibration(verify_ms, tree_step_ms, glue_ms=1.0):
+    return BranchCalibration(context=64, verify_ms=verify_ms, glue_ms=glue_ms, tree_step_ms=tree_step_ms)
+
+
+def test_hidden_budget_is_the_largest_b_whose_prespeculation_fits_under_the_verify():
+    # K=2: glue 1 + 2 * tree(B) against verify 10 -> tree(B) <= 4.5 fits
+    record = calibration({1: 4.0, 2: 10.0}, {1: 2.0, 2: 3.0, 3: 4.5, 4: 4.6})
+    assert record.hidden_branches(2) == 3
+    assert record.hidden_branches(1) == 2          # K=1: 1 + 3.0 <= 4.0 < 1 + 4.5
+    assert record.hidden_by_k() == (0, 2, 3)
+
+
+def test_a_budget_that_does_not_fit_stops_the_count_even_if_a_larger_one_timed_faster():
+    record = calibration({1: 5.0}, {1: 1.0, 2: 9.0, 3: 1.0})
+    assert record.hidden_branches(1) == 1
+    assert calibration({1: 1.0}, {1: 1.0}).hidden_branches(1) == 0  # not even one branch hides
+
+
+def test_calibration_round_trips_through_the_manifest_form():
+    record = calibration({1: 4.0, 2: 10.0}, {1: 2.0, 2: 3.0})
+    stored = json.loads(json.dumps(record.to_manifest()))
+    assert BranchCalibration.from_manifest(stored) == record
+    assert stored["hidden_branches"] == [0, 2, 2]
+
+
+@pytest.mark.parametrize("hidden, k, expected", [
+    (None, 4, {"fanout": DEFAULT_FANOUT, "budget": None}),
+    (15, 4, {"fanout": (3,), "budget": None}),
+    (16, 4, {"fanout": (3,), "budget": None}),
+    (3, 4, {"fanout": DEFAULT_FANOUT, "budget": 3}),
+    (0, 4, {"fanout": (0,), "budget": None}),
+])
+def test_hidden_branches_become_decoding_options_that_never_exceed_them(hidden, k, expected):
+    fields = hidden_branch_options(hidden, k)
+    assert fields == expected
+    options = DecodeOptions(num_draft_tokens=k, **fields)
+    if hidden is not None:
+        assert options.fanout_policy().max_branches <= hidden or not options.prespeculating
+
+
+def test_causal_mask_lets_each_new_token_see_the_past_and_the_new_tokens_before_it():
+    for past, count in [(0, 1), (0, 5), (3, 4), (128, 2)]:
+        expected = torch.ones(count, past + count, dtype=torch.bool).tril(diagonal=past)
+        assert torch.equal(causal_mask(past, count), expected)
+
+
+@pytest.fixture(scope="module")
+def built(tiny_pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("calibrated") / "engines"
+    config = BuildConfig(name="calibration-test", target=tiny_pair / "target", draft=tiny_pair / "draft",
+                         max_draft_tokens=3, max_branches=4, max_context=64)
+    build_engines(config, out, show_progress=False)
+    return out
+
+
+def test_the_build_stores_a_calibration_and_the_engine_info_carries_it(built):
+    record = json.loads((built / MANIFEST_FILE).read_text())["calibration"]
+    assert set(map(int, record["verify_ms"])) == {1, 2, 3} and set(map(int, record["tree_step_ms"])) == {1, 2, 3, 4}
+    assert all(ms > 0 for ms in [*record["verify_ms"].values(), *record["tree_step_ms"].values(), record["glue_ms"]])
+    assert record["hidden_branches"] == list(BranchCalibration.from_manifest(record).hidden_by_k())
+    target, draft = load_engine_pair(built)
+    for engine in (target, draft):
+        assert engine.info.hidden_branches == tuple(record["hidden_branches"])
+        assert engine.info.hidden_budget(3) == record["hidden_branches"][3]
+        assert engine.info.hidden_budget(4) is None  # beyond the engines' K
+
+
+def test_engines_built_before_calibration_existed_still_load(built, tmp_path):
+    old = shutil.copytree(built, tmp_path / "old")
+    manifest = json.loads((old / MANIFEST_FILE).read_text())
+    del manifest["calibration"]
+    (old / MANIFEST_FILE).write_text(json.dumps(manifest))
+    target, _ = load_engine_pair(old)
+    assert target.info.hidden_branches is None and target.info.hidden_budget(2) is None
