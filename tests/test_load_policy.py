@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from saguaro.runtime.load_policy import Acceptance, LinearCost, LoadPolicy
+from saguaro.runtime.load_policy import Acceptance, CostCurve, LinearCost, LoadPolicy
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.runtime.sampling import SamplingParams
@@ -21,10 +21,10 @@ class FakeSequence:  # what the policy reads of a `decoding.Sequence`
     acceptance: Acceptance = field(default_factory=Acceptance)
 
 
-def measured(intercept_s: float, per_token_s: float) -> LinearCost:
-    cost = LinearCost()
-    for size in (1, 8, 32):
-        cost.observe(size, intercept_s + per_token_s * size)
+def measured(intercept_s: float, per_token_s: float) -> CostCurve:
+    cost = CostCurve()
+    for size in (1, 8, 32, 128):
+        cost.observe(size, intercept_s + per_token_s * size, lasting=True)
     return cost
 
 
@@ -36,18 +36,23 @@ def policy_with(verify: LinearCost, step: LinearCost, acceptance: float) -> Load
     return policy
 
 
-def test_the_cost_fit_recovers_intercept_and_slope():
-    cost = measured(0.004, 0.0002)
-    intercept, slope = cost.coefficients()
-    assert intercept == pytest.approx(0.004) and slope == pytest.approx(0.0002)
-    assert cost(10) == pytest.approx(0.006) and cost(0) == 0.0
-
-
-def test_older_measurements_fade():
-    cost = measured(0.010, 0.0)
+def test_the_cost_curve_interpolates_and_follows_what_it_measures():
+    cost = CostCurve({1: 0.004, 5: 0.0045, 64: 0.020})  # flat while weight-bound, then linear
+    assert cost(3) == pytest.approx(0.00425) and cost(0) == 0.0
+    assert cost(128) == pytest.approx(0.020 + 64 * (0.0155 / 59))  # the last segment, extended
     for _ in range(400):
-        cost.observe(4, 0.002)
-    assert cost(4) == pytest.approx(0.002, rel=0.05)
+        cost.observe(4, 0.006)  # the machine got slower around 4 tokens
+    assert cost(4) == pytest.approx(0.006, rel=0.02) and cost(64) == pytest.approx(0.020)
+
+
+def test_host_time_fits_a_line_and_older_measurements_fade():
+    host = LinearCost()
+    for batch in (1, 2, 4):
+        host.observe(batch, 0.001 + 0.0002 * batch)
+    assert host.coefficients() == pytest.approx((0.001, 0.0002))
+    for _ in range(400):
+        host.observe(2, 0.002)
+    assert host(2) == pytest.approx(0.002, rel=0.05)
 
 
 def test_a_weight_bound_target_drafts_the_most_and_a_compute_bound_one_none():

@@ -111,7 +111,9 @@ def mode_options(args, k: int, branch_options: dict) -> list[tuple[str, DecodeOp
     branches = DecodeOptions(num_draft_tokens=k, **branch_options).fanout_policy().max_branches
     modes = [("autoregressive", DecodeOptions(mode="autoregressive", **common)),
              (f"speculative K={k}", DecodeOptions(mode="speculative", num_draft_tokens=k, **common)),
-             (f"ssd K={k} B={branches}", DecodeOptions(mode="ssd", num_draft_tokens=k, **common, **branch_options))]
+             (f"ssd K={k} B={branches}", DecodeOptions(mode="ssd", num_draft_tokens=k, **common, **branch_options)),
+             (f"ssd load policy K<={k}", DecodeOptions(mode="ssd", num_draft_tokens=k, adapt_k=True, **common,
+                                                      **branch_options))]
     if args.saguaro is not None:
         modes.append((f"ssd saguaro C={args.saguaro}", DecodeOptions(
             mode="ssd", num_draft_tokens=k, saguaro_factor=args.saguaro, **common, **branch_options)))
@@ -185,6 +187,7 @@ def run_modes(args) -> dict:
             figures["modes"][name] = {"tokens": timing.tokens, "total_s": timing.total_s,
                                       "prefill_s": timing.prefill_s,
                                       "decode_tokens_per_s": timing.decode_tokens_per_s}
+    pipeline.close()
     return figures
 
 

@@ -39,8 +39,6 @@ follows the policy, which changes no token. A request that names its K keeps it 
 """
 from __future__ import annotations
 
-import copy
-import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -48,9 +46,11 @@ import torch
 from saguaro.runtime.contracts import Step
 from saguaro.runtime.stats import stopwatch
 
-CALIBRATION_SIZES = (1, 4, 16, 48)  # tokens (target) or rows (draft) per calibration forward
+CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96)  # tokens or rows per forward
 CALIBRATION_CONTEXT = 64                # cached tokens behind them (at most half the context)
-FADING = 0.98                     # weight of older measurements after each new one
+FADING = 0.98                     # weight of older host-time measurements after each new one
+MOST_BRANCHES = 1 << 12           # per request: beyond any engine's built maximum
+FOLLOWING = 0.05                  # how far one measurement moves the cost curve toward itself
 SHARED_FADING = 0.995             # of the acceptance counts shared by all requests (per round)
 PRIOR_WEIGHT = 8.0                # pseudo-rounds of the shared estimate in a request's own
 # Before anything was measured: optimistic about acceptance, so that the first rounds
@@ -58,25 +58,81 @@ PRIOR_WEIGHT = 8.0                # pseudo-rounds of the shared estimate in a re
 UNSEEN_ACCEPTANCE, UNSEEN_HIT_RATE = 0.8, 0.5
 
 
-class LinearCost:
-    """Seconds of one forward as `a + b * size`, by weighted least squares over the
-    measurements, older ones fading."""
+class CostCurve:
+    """Seconds of one forward by its size (tokens or rows): measured at a ladder of sizes
+    (the calibration) and interpolated between them, since a CPU forward is flat while
+    the weights' reading dominates and linear once compute does. Each measurement while
+    serving moves the two sizes around it toward what it saw, so the curve follows the
+    machine (a busy neighbour, a warmer cache) without forgetting its shape."""
 
-    def __init__(self):
-        self.weight = self.x = self.y = self.xx = self.xy = 0.0
-
-    def observe(self, size: float, seconds: float) -> None:
-        self.weight, self.x, self.y = FADING * self.weight + 1, FADING * self.x + size, FADING * self.y + seconds
-        self.xx, self.xy = FADING * self.xx + size * size, FADING * self.xy + size * seconds
+    def __init__(self, points: dict[float, float] | None = None):
+        self.points = dict(sorted((points or {}).items()))
 
     @property
     def known(self) -> bool:
-        return self.weight > 0
+        return bool(self.points)
+
+    def observe(self, size: float, seconds: float, lasting: bool = False) -> None:
+        """`lasting`: a calibration point, taken as it is (the fastest of its repeats)."""
+        if lasting:
+            self.points[size] = min(seconds, self.points.get(size, seconds))
+            self.points = dict(sorted(self.points.items()))
+            return
+        predicted = self(size)
+        if predicted <= 0:
+            self.observe(size, seconds, lasting=True)
+            return
+        correction = (seconds / predicted) ** FOLLOWING
+        for neighbour in self._around(size):
+            self.points[neighbour] *= correction
+
+    def _around(self, size: float) -> list[float]:
+        sizes = list(self.points)
+        above = next((i for i, s in enumerate(sizes) if s >= size), len(sizes) - 1)
+        return sorted({sizes[max(above - 1, 0)], sizes[above]})
+
+    def __call__(self, size: float) -> float:
+        if size <= 0 or not self.points:
+            return 0.0
+        sizes = list(self.points)
+        if len(sizes) == 1:
+            return self.points[sizes[0]] * max(size / sizes[0], 1.0)
+        around = self._around(size) if size <= sizes[-1] else sizes[-2:]
+        if len(around) == 1:  # at or below the smallest size measured
+            return self.points[around[0]]
+        low, high = around
+        slope = (self.points[high] - self.points[low]) / (high - low)
+        return max(self.points[low] + slope * (size - low), 0.0)
 
     def coefficients(self) -> tuple[float, float]:
-        mean_x, mean_y = self.x / self.weight, self.y / self.weight
-        spread = self.xx / self.weight - mean_x ** 2
-        slope = max((self.xy / self.weight - mean_x * mean_y) / spread, 0.0) if spread > 1e-9 else 0.0
+        """Intercept and slope of the curve's last segment (per-size cost at large sizes)."""
+        sizes = list(self.points)
+        if len(sizes) < 2:
+            return (self.points[sizes[0]] if sizes else 0.0), 0.0
+        slope = (self.points[sizes[-1]] - self.points[sizes[-2]]) / (sizes[-1] - sizes[-2])
+        return self.points[sizes[-1]] - slope * sizes[-1], max(slope, 0.0)
+
+
+class LinearCost:
+    """Seconds of host work per round as `a + b * requests`, by weighted least squares,
+    older measurements fading."""
+
+    def __init__(self):
+        self._sums = [0.0] * 5   # weight, sum x, sum y, sum xx, sum xy
+
+    def observe(self, size: float, seconds: float) -> None:
+        point = (1.0, size, seconds, size * size, size * seconds)
+        self._sums = [FADING * total + value for total, value in zip(self._sums, point)]
+
+    @property
+    def known(self) -> bool:
+        return self._sums[0] > 0
+
+    def coefficients(self) -> tuple[float, float]:
+        weight, x, y, xx, xy = self._sums
+        mean_x, mean_y = x / weight, y / weight
+        spread = xx / weight - mean_x ** 2
+        slope = max((xy / weight - mean_x * mean_y) / spread, 0.0) if spread > 1e-9 else 0.0
         return max(mean_y - slope * mean_x, 0.0), slope
 
     def __call__(self, size: float) -> float:
@@ -90,7 +146,7 @@ def calibrate(engine, cost: LinearCost, sizes=CALIBRATION_SIZES) -> None:
     """A few forwards of different sizes in one spare cache, so that the first rounds'
     choice has costs to go on (a forward's cost depends on the machine, not the request)."""
     context = min(CALIBRATION_CONTEXT, engine.info.max_context // 2)
-    largest = min(max(sizes), engine.info.max_context - context - 1)
+    largest = min(max(sizes), engine.info.max_context - context - 1, engine.info.limits.max_cache_entries - context)
     cache = engine.new_cache(context + largest)
     try:
         engine.forward_batch([Step(cache, torch.ones(context, dtype=torch.int64), torch.arange(context))])
@@ -99,7 +155,7 @@ def calibrate(engine, cost: LinearCost, sizes=CALIBRATION_SIZES) -> None:
                 engine.forward_batch([Step(cache, torch.ones(size, dtype=torch.int64),
                                            torch.arange(context, context + size))])
             cache.truncate(context)
-            cost.observe(size, elapsed.seconds)
+            cost.observe(size, elapsed.seconds, lasting=True)
     finally:
         cache.release()
 
@@ -164,7 +220,7 @@ class LoadPolicy:
     """One per decoder: the shared estimates and the choice of every round's K."""
 
     def __init__(self, target, draft):
-        self.verify_cost, self.draft_cost, self.tree_cost = LinearCost(), LinearCost(), LinearCost()
+        self.verify_cost, self.draft_cost, self.tree_cost = CostCurve(), CostCurve(), CostCurve()
         self.host_cost = LinearCost()
         self.shared = {greedy: Acceptance(fading=SHARED_FADING) for greedy in (True, False)}
         self._engines = (target, draft)
@@ -201,7 +257,7 @@ class LoadPolicy:
             calibrate(target, self.verify_cost)
         if not self.draft_cost.known:
             calibrate(draft, self.draft_cost)
-            self.tree_cost = copy.deepcopy(self.draft_cost)
+            self.tree_cost = CostCurve(self.draft_cost.points)
 
     def choose(self, batch) -> list[Plan]:
         """The plan of each `batch` entry (a `decoding.Sequence`: its `k`, `adapts`,
@@ -277,14 +333,19 @@ class LoadPolicy:
 
     def _branch_rows(self, candidates, ks) -> int:
         """Branches per speculating request that keep pre-speculation (the glue step and
-        max K tree steps of requests x branches rows) under verification."""
+        max K tree steps of requests x branches rows) under verification; at least one."""
         speculating = [k for c, k in zip(candidates, ks) if c.prespeculating and k]
         if not speculating:
             return 0
         per_step = self.verify_cost(sum(k + 1 for k in ks)) / (max(speculating) + 1)
-        intercept, slope = self.tree_cost.coefficients()
-        rows = (per_step - intercept) / slope if slope > 0 else math.inf
-        return max(1, int(rows // len(speculating))) if math.isfinite(rows) else 1 << 20
+        fits, beyond = 1, MOST_BRANCHES + 1  # the answer lies in [fits, beyond)
+        while beyond - fits > 1:
+            middle = (fits + beyond) // 2
+            if self.tree_cost(len(speculating) * middle) <= per_step:
+                fits = middle
+            else:
+                beyond = middle
+        return fits
 
 
 @dataclass

@@ -24,7 +24,8 @@ from saguaro.runtime.arguments import DECODE_DEFAULTS, add_decoding_arguments
 from saguaro.runtime.checkpoint import llama_shape, read_config
 from saguaro.runtime.engines.manifest import read_manifest
 from saguaro.runtime.engines.torch_engine import DEFAULT_MAX_CONTEXT as TORCH_MAX_CONTEXT
-from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.engines.calibration import hidden_branches_from_manifest
+from saguaro.runtime.options import DecodeOptions, hidden_branch_options
 from saguaro.runtime.pipeline import BATCHING
 
 PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
@@ -54,6 +55,7 @@ class ModelSource:
     draft_dir: Path | None = None
     max_draft_tokens: int | None = None  # None: checkpoints have no built limit
     max_branches: int | None = None
+    hidden_branches: tuple[int, ...] | None = None  # by K: what pre-speculation hides (measured at build)
 
 
 def source_from_engines(engines_dir: Path) -> ModelSource:
@@ -63,7 +65,8 @@ def source_from_engines(engines_dir: Path) -> ModelSource:
     build = manifest["build"]
     return ModelSource(tokenizer_dir=engines_dir / manifest["tokenizer"]["dir"],
                        max_context=build["max_context"], engines_dir=engines_dir,
-                       max_draft_tokens=build.get("max_draft_tokens"), max_branches=build.get("max_branches"))
+                       max_draft_tokens=build.get("max_draft_tokens"), max_branches=build.get("max_branches"),
+                       hidden_branches=hidden_branches_from_manifest(manifest))
 
 
 def source_from_checkpoints(target_dir: Path, draft_dir: Path) -> ModelSource:
@@ -81,10 +84,15 @@ def default_options(source: ModelSource, mode: str, num_draft_tokens: int | None
                     adapt_k: bool = True) -> DecodeOptions:
     """The knobs a request gets when it gives none: `DecodeOptions`' defaults, with K and
     the fan-out shrunk to fit what the engines were built for unless given explicitly
-    (then they must fit)."""
+    (then they must fit): at most the default fan-out, and no more branches than hide
+    under one verification on the machine the engines were built on."""
     k = num_draft_tokens
     if k is None:
         k = min(DECODE_DEFAULTS.num_draft_tokens, source.max_draft_tokens or DECODE_DEFAULTS.num_draft_tokens)
+    if fanout is None and budget is None and source.hidden_branches is not None:
+        hidden = source.hidden_branches[min(k, len(source.hidden_branches) - 1)]
+        spend = hidden_branch_options(min(hidden, max(DECODE_DEFAULTS.fanout) * (k + 1)), k)
+        fanout, budget = spend["fanout"], spend["budget"]
     if fanout is None and budget is None and source.max_branches is not None:
         fanout = (max(1, min(max(DECODE_DEFAULTS.fanout), source.max_branches // (k + 1))),)
     options = DecodeOptions(mode=mode, num_draft_tokens=k, fanout=fanout or DECODE_DEFAULTS.fanout, budget=budget,
