@@ -25,7 +25,8 @@ def test_bench_reports_engine_costs_and_all_modes_side_by_side(tiny_engines, tmp
     assert rows["autoregressive"][-7] == "1.00"  # the baseline of the "vs AR" column
     assert rows["ssd"][-4] != "-"                  # ssd reports a cache hit rate
     modes = json.loads(figures.read_text())["modes"]
-    assert [m["tokens"] for m in modes.values()] == [2 * 16] * 3  # every mode generates exactly max tokens
+    assert [m["tokens"] for m in modes.values()] == [2 * 16] * 4  # every mode generates exactly max tokens
+    assert any(name.startswith("ssd load policy") for name in modes)  # K chosen per round, side by side
     assert all(m["prefill_s"] > 0 and m["decode_tokens_per_s"] > 0 for m in modes.values())
 
 

@@ -23,6 +23,7 @@ from saguaro.runtime.pipeline import Pipeline, RequestError
 from saguaro.runtime.sampling import SamplingParams
 from saguaro.serving.interface import IGNORED, NEUTRAL_ONLY
 from saguaro.serving.launch import pending_signals
+from saguaro.serving.model_repo import ModelSource, default_options
 from saguaro.serving.lifecycle import (CANCELLED, SHUTDOWN, DrainReport, Generations, ServerDraining, drain_inputs,
                                        parse_drain_request)
 from saguaro.serving.requests import (INPUT_NAMES, ModelLimits, defaults_from_parameters, ServingRequest, TextCodec,
@@ -121,6 +122,20 @@ def test_left_out_knobs_take_the_configured_defaults():
     request = parse(defaults)
     assert (request.options.mode, request.options.num_draft_tokens, request.options.fanout) == ("speculative", 3, (2,))
     assert request.options.budget is None and not request.stream and request.sampling.greedy
+
+
+def test_server_defaults_spend_the_budget_that_hides():
+    """Left-out branch knobs take what the build measured to hide under one verify, at
+    most the default fan-out; engines built without a measurement keep the default."""
+    def defaults(hidden):
+        source = ModelSource(tokenizer_dir=Path("."), max_context=256, max_draft_tokens=8, max_branches=16,
+                             hidden_branches=hidden)
+        return default_options(source, "ssd", None, None, None)
+
+    assert defaults((16,) * 9).fanout == (3,)  # K=4: 16 hide, at most 3 per depth
+    assert defaults((0,) * 9).fanout == (0,) and not defaults((0,) * 9).prespeculating
+    assert defaults((3,) * 9).budget == 3      # fewer than one per depth: placed online
+    assert defaults(None).fanout == (3,) and defaults(None).budget is None
 
 
 def test_bad_configured_defaults_fail_at_load():
