@@ -127,3 +127,4 @@ def test_pre_speculation_that_cannot_hide_is_left_out_for_adapting_requests_only
     adapting, pinned = slow_tree.choose([FakeSequence(prespeculating=True),
                                          FakeSequence(prespeculating=True, adapts=False, steered=False)])
     assert not adapting.prespeculate and pinned.prespeculate
+

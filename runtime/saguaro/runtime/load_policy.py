@@ -50,7 +50,7 @@ CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96)  # tokens 
 CALIBRATION_CONTEXT = 64                # cached tokens behind them (at most half the context)
 FADING = 0.98                     # weight of older host-time measurements after each new one
 MOST_BRANCHES = 1 << 12           # per request: beyond any engine's built maximum
-FOLLOWING = 0.05                  # how far one measurement moves the cost curve toward itself
+FOLLOWING = 0.1                   # how far one measurement moves the cost curve toward itself
 SHARED_FADING = 0.995             # of the acceptance counts shared by all requests (per round)
 PRIOR_WEIGHT = 8.0                # pseudo-rounds of the shared estimate in a request's own
 # Before anything was measured: optimistic about acceptance, so that the first rounds
@@ -62,8 +62,10 @@ class CostCurve:
     """Seconds of one forward by its size (tokens or rows): measured at a ladder of sizes
     (the calibration) and interpolated between them, since a CPU forward is flat while
     the weights' reading dominates and linear once compute does. Each measurement while
-    serving moves the two sizes around it toward what it saw, so the curve follows the
-    machine (a busy neighbour, a warmer cache) without forgetting its shape."""
+    serving moves the two sizes around it toward what it saw, each by its share of the
+    interpolation, so the curve follows the machine (a busy neighbour, a batch of many
+    short sequences costing more than one long one) without forgetting its shape. A
+    forward never costs less for more tokens: predictions follow the rising envelope."""
 
     def __init__(self, points: dict[float, float] | None = None):
         self.points = dict(sorted((points or {}).items()))
@@ -74,43 +76,56 @@ class CostCurve:
 
     def observe(self, size: float, seconds: float, lasting: bool = False) -> None:
         """`lasting`: a calibration point, taken as it is (the fastest of its repeats)."""
-        if lasting:
+        if lasting or not self.points:
             self.points[size] = min(seconds, self.points.get(size, seconds))
             self.points = dict(sorted(self.points.items()))
             return
         predicted = self(size)
-        if predicted <= 0:
-            self.observe(size, seconds, lasting=True)
+        if predicted <= 0 or seconds <= 0:
             return
-        correction = (seconds / predicted) ** FOLLOWING
-        for neighbour in self._around(size):
-            self.points[neighbour] *= correction
+        correction = seconds / predicted
+        for point, share in self._shares(size):
+            self.points[point] *= correction ** (FOLLOWING * share)
 
-    def _around(self, size: float) -> list[float]:
+    def _shares(self, size: float) -> list[tuple[float, float]]:
+        """The measured sizes around `size` and their interpolation weights."""
         sizes = list(self.points)
-        above = next((i for i, s in enumerate(sizes) if s >= size), len(sizes) - 1)
-        return sorted({sizes[max(above - 1, 0)], sizes[above]})
+        if size <= sizes[0]:
+            return [(sizes[0], 1.0)]
+        if size >= sizes[-1]:
+            return [(sizes[-1], 1.0)]
+        above = next(i for i, s in enumerate(sizes) if s >= size)
+        low, high = sizes[above - 1], sizes[above]
+        toward_high = (size - low) / (high - low)
+        return [(low, 1.0 - toward_high), (high, toward_high)]
+
+    def _envelope(self) -> list[tuple[float, float]]:
+        rising, highest = [], 0.0
+        for size, seconds in self.points.items():
+            highest = max(highest, seconds)
+            rising.append((size, highest))
+        return rising
 
     def __call__(self, size: float) -> float:
         if size <= 0 or not self.points:
             return 0.0
-        sizes = list(self.points)
-        if len(sizes) == 1:
-            return self.points[sizes[0]] * max(size / sizes[0], 1.0)
-        around = self._around(size) if size <= sizes[-1] else sizes[-2:]
-        if len(around) == 1:  # at or below the smallest size measured
-            return self.points[around[0]]
-        low, high = around
-        slope = (self.points[high] - self.points[low]) / (high - low)
-        return max(self.points[low] + slope * (size - low), 0.0)
+        curve = self._envelope()
+        if len(curve) == 1:
+            return curve[0][1] * max(size / curve[0][0], 1.0)
+        if size <= curve[0][0]:
+            return curve[0][1]
+        segment = next((i for i, (s, _) in enumerate(curve) if s >= size), len(curve) - 1)
+        (low, low_s), (high, high_s) = curve[segment - 1], curve[segment]
+        return low_s + (high_s - low_s) / (high - low) * (size - low)
 
     def coefficients(self) -> tuple[float, float]:
         """Intercept and slope of the curve's last segment (per-size cost at large sizes)."""
-        sizes = list(self.points)
-        if len(sizes) < 2:
-            return (self.points[sizes[0]] if sizes else 0.0), 0.0
-        slope = (self.points[sizes[-1]] - self.points[sizes[-2]]) / (sizes[-1] - sizes[-2])
-        return self.points[sizes[-1]] - slope * sizes[-1], max(slope, 0.0)
+        curve = self._envelope()
+        if len(curve) < 2:
+            return (curve[0][1] if curve else 0.0), 0.0
+        (low, low_s), (high, high_s) = curve[-2:]
+        slope = (high_s - low_s) / (high - low)
+        return high_s - slope * high, slope
 
 
 class LinearCost:

@@ -39,16 +39,17 @@ CONCURRENCY = (1, 2, 4, 8, 16, 32)
 
 @dataclass(frozen=True)
 class Mode:
+    key: str                # its --modes name
     name: str
     batching: str           # the server it runs on
     inputs: dict            # what each request sends besides prompt and length
 
 
 MODES = [
-    Mode("batched AR", "iteration", {"decoding_mode": "autoregressive"}),
-    Mode("batched SD K=4", "iteration", {"decoding_mode": "speculative", "num_draft_tokens": 4}),
-    Mode("batched SSD policy", "iteration", {"decoding_mode": "ssd"}),
-    Mode("per-request SSD K=4", "per-request", {"decoding_mode": "ssd", "num_draft_tokens": 4}),
+    Mode("ar", "batched AR", "iteration", {"decoding_mode": "autoregressive"}),
+    Mode("sd", "batched SD K=4", "iteration", {"decoding_mode": "speculative", "num_draft_tokens": 4}),
+    Mode("ssd", "batched SSD policy", "iteration", {"decoding_mode": "ssd"}),
+    Mode("per-request", "per-request SSD K=4", "per-request", {"decoding_mode": "ssd", "num_draft_tokens": 4}),
 ]
 
 
@@ -234,6 +235,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (end token ignored)")
     parser.add_argument("--min-requests", type=int, default=4, help="requests per level: max(this, 2 C)")
     parser.add_argument("--max-concurrency", type=int, help="the servers' KV slots used (default: all)")
+    parser.add_argument("--modes", default=",".join(m.key for m in MODES),
+                        help="which modes, of " + ", ".join(m.key for m in MODES) + " (default all)")
     parser.add_argument("--no-sampled", action="store_true", help="skip the temperature 0.8 check at C=1")
     parser.add_argument("--out", type=Path, default=Path(".triton/bench_serving"), help="JSON and PNG go here")
     args = parser.parse_args(argv)
@@ -241,6 +244,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.concurrency = tuple(int(c) for c in args.concurrency.split(","))
     except ValueError:
         parser.error(f"--concurrency takes integers like 1,2,4; got {args.concurrency!r}")
+    known = {m.key: m for m in MODES}
+    unknown = [key for key in args.modes.split(",") if key not in known]
+    if unknown:
+        parser.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    args.modes = [known[key] for key in args.modes.split(",")]
     if min(args.concurrency) < 1 or args.max_tokens < 2:
         parser.error("--concurrency values must be >= 1 and --max-tokens >= 2")
     if not (args.engines / "manifest.json").is_file():
@@ -253,8 +261,9 @@ def main(argv=None) -> int:
     print(f"engines {args.engines}, {args.max_tokens} tokens per request, K up to "
           f"{DECODE_DEFAULTS.num_draft_tokens}, concurrency {','.join(map(str, args.concurrency))}")
     print(HEADER)
-    levels = run_modes(args, MODES, {}, args.concurrency, "greedy")
-    sampled = [] if args.no_sampled else run_modes(args, MODES[:3], {"temperature": 0.8}, (1,), "temperature 0.8")
+    levels = run_modes(args, args.modes, {}, args.concurrency, "greedy")
+    batched = [mode for mode in args.modes if mode.batching == "iteration"]
+    sampled = [] if args.no_sampled else run_modes(args, batched, {"temperature": 0.8}, (1,), "temperature 0.8")
     print_targets(levels, sampled)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "load.json").write_text(json.dumps({"greedy": [asdict(level) for level in levels],
