@@ -67,6 +67,17 @@ def build_engines_cli(pair: Path, out: Path, *flags: str) -> Path:
     return out
 
 
+def build_small_engines(pair: Path, out: Path, name: str, max_draft_tokens: int, max_branches: int) -> Path:
+    """ONNX Runtime engines of a test pair, built in-process (64-token context)."""
+    from saguaro.compiler.builder import build_engines
+    from saguaro.compiler.config import BuildConfig
+
+    config = BuildConfig(name=name, target=pair / "target", draft=pair / "draft",
+                         max_draft_tokens=max_draft_tokens, max_branches=max_branches, max_context=64)
+    build_engines(config, out, show_progress=False)
+    return out
+
+
 def with_longer_context(pair: Path, out: Path, max_positions: int) -> Path:
     """A copy of a pair that accepts `max_positions` tokens (RoPE runs past its training
     length: the text degrades, the computation stays exact). Long generations are what

@@ -253,9 +253,8 @@ class LLM:
             request, result = self._incoming.get()
             cache = self.target.new_cache(self.target.info.max_context)
             generator = torch.Generator().manual_seed(request.params.seed or 0)
-            logits = self.target.forward(cache, torch.tensor(request.prompt[:-1]), torch.arange(len(request.prompt) - 1)) \
-                if len(request.prompt) > 1 else None
-            del logits
+            if len(request.prompt) > 1:  # prefill: the cache holds the prompt but its last token
+                self.target.forward(cache, torch.tensor(request.prompt[:-1]), torch.arange(len(request.prompt) - 1))
             with self._lock:
                 self._active[request.py_client_id] = (request, result, (cache, generator))
             self._verify(request, drafts_allowed=False)

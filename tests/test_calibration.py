@@ -6,8 +6,7 @@ import shutil
 import pytest
 import torch
 
-from saguaro.compiler.builder import build_engines
-from saguaro.compiler.config import BuildConfig
+from checkpoints import build_small_engines
 from saguaro.runtime.contracts import causal_mask
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.calibration import BranchCalibration
@@ -63,11 +62,8 @@ def test_causal_mask_lets_each_new_token_see_the_past_and_the_new_tokens_before_
 
 @pytest.fixture(scope="module")
 def built(tiny_pair, tmp_path_factory):
-    out = tmp_path_factory.mktemp("calibrated") / "engines"
-    config = BuildConfig(name="calibration-test", target=tiny_pair / "target", draft=tiny_pair / "draft",
-                         max_draft_tokens=3, max_branches=4, max_context=64)
-    build_engines(config, out, show_progress=False)
-    return out
+    return build_small_engines(tiny_pair, tmp_path_factory.mktemp("calibrated") / "engines", "calibration-test",
+                               max_draft_tokens=3, max_branches=4)
 
 
 def test_the_build_stores_a_calibration_and_the_engine_info_carries_it(built):

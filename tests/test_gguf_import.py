@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from gguf_files import CHATML, Q, TEXT, byte_level_bpe, default_types, random_llama, vocabulary_of, write_llama_gguf
+from gguf_files import Q, TEXT, byte_level_bpe, default_types, random_llama, vocabulary_of, write_llama_gguf
 from saguaro.modelmaker.gguf_checks import CHAT_QUESTION, check_import, check_text, reference_logits, round_trip
 from saguaro.modelmaker.gguf_import import (GGUFImportError, dequantize, import_gguf, inspect_gguf, permute_rows,
                                             unpermute_rows)

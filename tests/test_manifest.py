@@ -4,21 +4,16 @@ import shutil
 
 import pytest
 
-from saguaro.compiler.builder import build_engines
-from saguaro.compiler.config import BuildConfig
 from saguaro.runtime.engines.manifest import (MANIFEST_FILE, PLUGINS, ManifestError, read_manifest, validate_engine_dir,
                             write_manifest)
-from checkpoints import make_checkpoint
+from checkpoints import build_small_engines, make_checkpoint
 from saguaro.runtime.engines import load_engine_pair
 
 
 @pytest.fixture(scope="module")
 def built(tiny_pair, tmp_path_factory):
-    out = tmp_path_factory.mktemp("built") / "engines"
-    config = BuildConfig(name="manifest-test", target=tiny_pair / "target", draft=tiny_pair / "draft",
-                         max_draft_tokens=4, max_branches=8, max_context=64)
-    build_engines(config, out, show_progress=False)
-    return out
+    return build_small_engines(tiny_pair, tmp_path_factory.mktemp("built") / "engines", "manifest-test",
+                               max_draft_tokens=4, max_branches=8)
 
 
 @pytest.fixture
