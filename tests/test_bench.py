@@ -19,11 +19,11 @@ def test_bench_reports_engine_costs_and_all_modes_side_by_side(tiny_engines, tmp
     assert "decode(1)" in out and "verify(4)" in out and "tree(4)" in out
     costs = [line.split() for line in out.splitlines() if line.startswith(("target ", "draft "))]
     assert len(costs) == 4 and all(re.fullmatch(r"\d+\.\d+", row[4]) for row in costs[2:]), out
-    rows = {line.split()[0]: line.split() for line in out.splitlines()
-            if line.startswith(("autoregressive", "speculative", "ssd"))}
-    assert set(rows) == {"autoregressive", "speculative", "ssd"}
+    names = ("autoregressive", "speculative K=3", "ssd K=3", "ssd load policy")
+    rows = {name: line.split() for line in out.splitlines() for name in names if line.startswith(name)}
+    assert set(rows) == set(names), out
     assert rows["autoregressive"][-7] == "1.00"  # the baseline of the "vs AR" column
-    assert rows["ssd"][-4] != "-"                  # ssd reports a cache hit rate
+    assert rows["ssd K=3"][-4] != "-"             # ssd (K fixed) reports a cache hit rate
     modes = json.loads(figures.read_text())["modes"]
     assert [m["tokens"] for m in modes.values()] == [2 * 16] * 4  # every mode generates exactly max tokens
     assert any(name.startswith("ssd load policy") for name in modes)  # K chosen per round, side by side
