@@ -201,6 +201,7 @@ class Decoder:
         self.policy.observe_host(len(batch), whole.seconds - verify_s - wait_s - draft_s)
 
     def _round(self, batch: list[Sequence]) -> tuple[float, float, float]:
+        """The round itself; returns its verify, wait and critical drafting seconds."""
         for sequence, plan in zip(batch, self.policy.choose(batch)):
             sequence.plan = plan
         speculating = [s for s in batch if s.speculates]

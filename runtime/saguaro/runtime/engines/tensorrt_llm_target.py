@@ -16,7 +16,7 @@ tokens, derives the last round's outcome `(accepted, bonus)` from what TensorRT-
 appended, takes the next draft (a hit in the speculation cache: the pre-speculated
 branch; a miss: an ordinary draft), hands it over, and starts pre-speculating its
 outcomes, which the draft worker runs while TensorRT-LLM verifies. Pre-speculation, the
-branch-keyed cache and the budget are exactly those of `decoding.speculative_decode`.
+branch-keyed cache and the budget are exactly those of `decoding.Decoder.decode_round`.
 
 What acceptance guarantees (TensorRT-LLM's sampler, `TwoModelSpecDecHandler`): greedy
 requests are verified by exact match (token-identical to the target alone); sampled ones
