@@ -27,8 +27,8 @@ from saguaro.serving.model_repo import ModelSource, default_options
 from saguaro.serving.lifecycle import (CANCELLED, SHUTDOWN, DrainReport, Generations, ServerDraining, drain_inputs,
                                        parse_drain_request)
 from saguaro.serving.requests import (INPUT_NAMES, ModelLimits, defaults_from_parameters, ServingRequest, TextCodec,
-                                      first_stop_end, parse_request, parse_word_list, run_request, split_words,
-                                      word_list)
+                                      parse_request, parse_word_list, split_words, word_list)
+from saguaro.serving.responses import first_stop_end, run_request
 from saguaro.serving.model_repo import parse_args, prepare_model_repo, templates_dir, values_from_args
 from checkpoints import byte_level_tokenizer
 

@@ -5,7 +5,7 @@ returns at once. One scheduler thread decodes every active request together, one
 at a time (`saguaro.runtime.scheduler`): each round verifies all of them in one batched
 target forward while the draft pre-speculates for all of them; requests join and leave
 between rounds, and those beyond the KV slots wait in order. Each request's responses go
-out as its rounds complete (`saguaro.serving.requests.start_request`: the round's tokens
+out as its rounds complete (`saguaro.serving.responses.start_request`: the round's tokens
 when streaming, a heartbeat otherwise) and a final response carries its stats. Why a
 generation must stop is asked once per round; the SSD figures also go to Triton's metrics
 endpoint as custom metrics (queueing and batch sizes among them).
@@ -31,6 +31,7 @@ import triton_python_backend_utils as pb_utils
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.serving import lifecycle
 from saguaro.serving import requests as serving
+from saguaro.serving.responses import start_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Tokens per second of one request; a tiny model on CPU reaches the thousands.
@@ -218,7 +219,7 @@ class TritonPythonModel:
         id_array = np.array([[live.generation_id]], dtype=np.uint64)
         client_cancelled = polled(request.is_cancelled, CANCEL_POLL_S)  # when called directly
         try:
-            outcome = serving.start_request(
+            outcome = start_request(
                 self.pipeline, parsed,
                 lambda arrays, final: send_arrays(sender, {**arrays, "generation_id": id_array}, final),
                 stop_reason=stop_reason(live, client_cancelled))

@@ -182,7 +182,8 @@ class Decoder:
     def start(self, requests: Seq[Request]) -> list[Sequence]:
         """New sequences: the target prefills their prompts (one batched forward), the
         draft drafts their first proposals (one batched forward per step)."""
-        self.policy.calibrate()
+        if any(request.options.adapt_k for request in requests):
+            self.policy.calibrate()
         sequences = [Sequence(request, self.target, self.draft) for request in requests]
         prefills = [step for step in (s.verifier.prefill(s.request.prompt_ids) for s in sequences) if step]
         with stopwatch() as prefilling:

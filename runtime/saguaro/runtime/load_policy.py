@@ -7,10 +7,11 @@ five tokens costs little more than one, so drafting pays; in a full batch every 
 token costs compute, and drafts that are rejected are paid for by every other request.
 The policy models a round from what the decoder measures as it runs:
 
-    verify(N) = a + b N      one target verification over N tokens (N = sum of K_r + 1)
-    draft(R)  = c + d R      one step of ordinary drafting for R requests
-    tree(R)   = e + f R      one step of pre-speculation over R branch rows
-    host(n)   = g + h n      the rest of a round of n requests (host work)
+    verify(N)   one target verification over N tokens (N = sum of K_r + 1)
+    draft(R)    one step of ordinary drafting for R requests
+    tree(R)     one step of pre-speculation over R branch rows
+                (each a `CostCurve`: calibrated at a ladder of sizes, then following the rounds)
+    host(n)     the rest of a round of n requests (host work): a + b n
 
     E_r(K)    = 1 + sum_{i=1..K} alpha_1 ... alpha_i      (alpha_j: P(accept depth j | j-1 accepted))
     T(K)      = verify(sum K_r + 1) + host(n) + max K_r * draft(requests that draft after the round)
@@ -69,6 +70,7 @@ class CostCurve:
 
     def __init__(self, points: dict[float, float] | None = None):
         self.points = dict(sorted((points or {}).items()))
+        self._rising: list[tuple[float, float]] | None = None  # the envelope, until a point moves
 
     @property
     def known(self) -> bool:
@@ -76,6 +78,7 @@ class CostCurve:
 
     def observe(self, size: float, seconds: float, lasting: bool = False) -> None:
         """`lasting`: a calibration point, taken as it is (the fastest of its repeats)."""
+        self._rising = None
         if lasting or not self.points:
             self.points[size] = min(seconds, self.points.get(size, seconds))
             self.points = dict(sorted(self.points.items()))
@@ -86,6 +89,7 @@ class CostCurve:
         correction = seconds / predicted
         for point, share in self._shares(size):
             self.points[point] *= correction ** (FOLLOWING * share)
+        self._rising = None
 
     def _shares(self, size: float) -> list[tuple[float, float]]:
         """The measured sizes around `size` and their interpolation weights."""
@@ -100,11 +104,12 @@ class CostCurve:
         return [(low, 1.0 - toward_high), (high, toward_high)]
 
     def _envelope(self) -> list[tuple[float, float]]:
-        rising, highest = [], 0.0
-        for size, seconds in self.points.items():
-            highest = max(highest, seconds)
-            rising.append((size, highest))
-        return rising
+        if self._rising is None:
+            self._rising, highest = [], 0.0
+            for size, seconds in self.points.items():
+                highest = max(highest, seconds)
+                self._rising.append((size, highest))
+        return self._rising
 
     def __call__(self, size: float) -> float:
         if size <= 0 or not self.points:
@@ -117,15 +122,6 @@ class CostCurve:
         segment = next((i for i, (s, _) in enumerate(curve) if s >= size), len(curve) - 1)
         (low, low_s), (high, high_s) = curve[segment - 1], curve[segment]
         return low_s + (high_s - low_s) / (high - low) * (size - low)
-
-    def coefficients(self) -> tuple[float, float]:
-        """Intercept and slope of the curve's last segment (per-size cost at large sizes)."""
-        curve = self._envelope()
-        if len(curve) < 2:
-            return (curve[0][1] if curve else 0.0), 0.0
-        (low, low_s), (high, high_s) = curve[-2:]
-        slope = (high_s - low_s) / (high - low)
-        return high_s - slope * high, slope
 
 
 class LinearCost:
@@ -157,7 +153,7 @@ class LinearCost:
         return intercept + slope * size
 
 
-def calibrate(engine, cost: LinearCost, sizes=CALIBRATION_SIZES) -> None:
+def calibrate(engine, cost: CostCurve, sizes=CALIBRATION_SIZES) -> None:
     """A few forwards of different sizes in one spare cache, so that the first rounds'
     choice has costs to go on (a forward's cost depends on the machine, not the request)."""
     context = min(CALIBRATION_CONTEXT, engine.info.max_context // 2)
@@ -265,8 +261,8 @@ class LoadPolicy:
             counts.record_lookup(hit)
 
     def calibrate(self) -> None:
-        """Costs to start from; the decoder calls it before its first sequences take
-        their KV slots (calibrating needs one of each engine's)."""
+        """Costs to start from; the decoder calls it before the first requests the policy
+        steers take their KV slots (calibrating needs one of each engine's)."""
         target, draft = self._engines
         if not self.verify_cost.known:
             calibrate(target, self.verify_cost)
@@ -277,7 +273,8 @@ class LoadPolicy:
     def choose(self, batch) -> list[Plan]:
         """The plan of each `batch` entry (a `decoding.Sequence`: its `k`, `adapts`,
         `steered`, `acceptance`, `greedy`, `prespeculating` and `room`)."""
-        self.calibrate()
+        if not any(sequence.adapts or sequence.steered for sequence in batch):
+            return [Plan(most_drafts(s), s.prespeculating) for s in batch]  # as each asked
         candidates = [self._candidate(sequence) for sequence in batch]
         choices = [self._best(candidates, speculating) for speculating in self._speculation_choices(candidates)]
         candidates, ks = max(choices, key=lambda choice: self._rate(*choice))
@@ -303,7 +300,7 @@ class LoadPolicy:
         reach = [1.0]
         for rate in rates:
             reach.append(reach[-1] * rate)  # reach[i]: P(the first i drafts all accepted)
-        most = max(min(sequence.k, sequence.room - 1), 0)
+        most = most_drafts(sequence)
         hit = sequence.acceptance.hit_rate(shared.hit_rate(UNSEEN_HIT_RATE)) if sequence.prespeculating else 0.0
         return _Candidate(most, sequence.adapts, sequence.steered, reach, hit, sequence.prespeculating)
 
@@ -361,6 +358,11 @@ class LoadPolicy:
             else:
                 beyond = middle
         return fits
+
+
+def most_drafts(sequence) -> int:
+    """The most drafts a sequence may verify this round: its K, less near the end of its output."""
+    return max(min(sequence.k, sequence.room - 1), 0)
 
 
 @dataclass

@@ -31,7 +31,8 @@ from saguaro.runtime.bench import PROMPTS
 from saguaro.runtime.arguments import DECODE_DEFAULTS
 from saguaro.serving.client import complete, ensemble_inputs
 from saguaro.serving.launch import Ports, serve
-from saguaro.serving.model_repo import default_options, source_from_engines, template_values
+from saguaro.serving.launch import parse_args as serve_args
+from saguaro.serving.model_repo import values_from_args
 from saguaro.serving.served_metrics import histogram_mean, scrape
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
@@ -129,10 +130,11 @@ def run_level(url: str, metrics_port: int, mode: Mode, concurrency: int, request
 
 
 def serve_for(engines: Path, batching: str, run_dir: Path, max_concurrency: int | None):
-    source = source_from_engines(engines)
-    options = default_options(source, "ssd", None, None, None)
-    values = template_values(source, options, max_concurrency, max_queue=1024, batching=batching)
-    return serve(values, run_dir, Ports.free())
+    """A server as `scripts/serve.py --engines ENGINES --batching BATCHING` starts it."""
+    flags = ["--engines", str(engines), "--batching", batching]
+    if max_concurrency is not None:
+        flags += ["--max-concurrency", str(max_concurrency)]
+    return serve(values_from_args(serve_args(flags)), run_dir, Ports.free())
 
 
 def print_level(level: Level) -> None:
