@@ -53,6 +53,14 @@ def tensorrt_dtype(trt, dtype: str):
     return getattr(trt, dtype)
 
 
+def check_input_types(trt, signature, descs) -> None:
+    """A plugin's shape function refuses inputs whose type its signature does not list
+    (TensorRT would otherwise hand the kernels bytes of another type)."""
+    for spec, desc in zip(signature.inputs, descs):
+        if desc.dtype not in [tensorrt_dtype(trt, dtype) for dtype in spec.dtypes]:
+            raise TypeError(f"{signature.plugin_id}: {spec.name} must be {' or '.join(spec.dtypes)}, got {desc.dtype}")
+
+
 def check_plugin_version(plugin_version: str) -> None:
     """The ONNX node's `plugin_version` must be the one `tensorrt.plugin` registers."""
     if plugin_version != QUICKLY_DEPLOYABLE_PLUGIN_VERSION:
