@@ -4,17 +4,21 @@ TensorRT's ONNX parser maps a `saguaro` node whose function body was stripped to
 plugin registered under its op type, `plugin_namespace` and `plugin_version`. Each
 plugin's `tensorrt_plugin.py` builds its `register()` with `registration` below; builds
 and engine loads call `tensorrt_plugins.register_plugins` first (deserialising an engine
-needs the creators too). TensorRT is imported only here, when a registration runs: it installs from
-NVIDIA's index only, and this project imports everywhere without it.
+needs the creators too). TensorRT is imported only here, when a registration runs: its
+libraries install from NVIDIA's index only (PyPI's `tensorrt` fetches them from there), and
+this project imports everywhere without it.
 
 Supported TensorRT: 10.8 (the first with `tensorrt.plugin` size tensors as used here) up
-to 11.x. What changed in 11 and is handled: weak typing is gone (`BuilderFlag.FP16` ...),
-and `NetworkDefinitionCreationFlag.STRONGLY_TYPED` is deprecated because every network is
-strongly typed (see `saguaro.compiler.tensorrt_builder`). 12 is refused until checked.
+to 11.x. What changes within that range and is handled: weak typing is gone in 11 (every
+engine here is strongly typed anyway) and `NetworkDefinitionCreationFlag.STRONGLY_TYPED` is
+deprecated there (see `saguaro.compiler.tensorrt_builder`); before 10.15 `tensorrt.plugin`
+keeps a destroyed expression builder after each shape pass (see the BranchDraft plugin).
+12 is refused until checked.
 """
 from __future__ import annotations
 
-TENSORRT_INSTALL_HINT = "pip install --extra-index-url https://pypi.nvidia.com 'tensorrt>=10.8,<12'"
+TENSORRT_INSTALL_HINT = ("pip install --extra-index-url https://pypi.nvidia.com 'tensorrt>=10.8,<12'; "
+                         "offline: docs/gpu.md")
 SUPPORTED_TENSORRT = ((10, 8), (12, 0))  # [lowest, first unsupported)
 # `tensorrt.plugin` registers every plugin creator under this version.
 QUICKLY_DEPLOYABLE_PLUGIN_VERSION = "1"

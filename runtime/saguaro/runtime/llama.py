@@ -241,7 +241,7 @@ class Llama(nn.Module):
     def forward_sequence(self, tokens: torch.Tensor) -> torch.Tensor:
         """One sequence from position 0, no cache kept: logits `[n, vocab]` (for checks)."""
         n, (layers, heads, dim) = len(tokens), self.shape.kv_shape
-        empty = torch.zeros(layers, 1, heads, 0, dim)
+        empty = torch.zeros(layers, 1, heads, 0, dim, dtype=self.lm_head.weight.dtype)
         mask = torch.ones(n, n, dtype=torch.bool).tril()
         return self.forward_concat(tokens[None], torch.arange(n)[None], mask[None], empty, empty)[0][0]
 
