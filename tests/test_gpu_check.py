@@ -108,9 +108,9 @@ def test_the_shipped_pins_are_exact_and_inside_the_admitted_ranges(name):
              if line.strip() and not line.startswith("#")]
     pinned = dict(PIN.match(line).groups() for line in lines)  # AttributeError: an unpinned line
     assert len(pinned) == len(lines)
-    if "tensorrt" in pinned:
+    for name in {"tensorrt", "tensorrt-cu12", "tensorrt-cu13"} & set(pinned):
         lowest, unsupported = SUPPORTED_TENSORRT
-        assert lowest <= tensorrt_version(pinned["tensorrt"]) < unsupported
+        assert lowest <= tensorrt_version(pinned[name]) < unsupported
     if "tensorrt-llm" in pinned:
         lowest, unchecked = SUPPORTED_TENSORRT_LLM
         assert lowest <= release(pinned["tensorrt-llm"]) < unchecked
