@@ -54,7 +54,8 @@ STEPS="$OUT/steps.tsv"  # step <TAB> status <TAB> seconds, for the JSON
 : > "$STEPS"
 
 report() {  # report <status>: the JSON of figures, from whatever the steps left in $OUT
-  "$BASE_PYTHON" scripts/gpu_report.py --out "$OUT" --status "$1" || echo "gpu_check: the report failed"
+  PYTHONPATH="$ROOT/runtime" "$BASE_PYTHON" scripts/gpu_report.py --out "$OUT" --status "$1" \
+    || echo "gpu_check: the report failed"
 }
 stop() {  # stop <exit code> <status> <message>
   echo "gpu_check: $3"
@@ -125,7 +126,7 @@ install_env() {  # install_env <venv> <requirements>
 VENV="$OUT/venv"
 step "install" install_env "$VENV" "$REQUIREMENTS" || stop 1 failed "installing from $WHEELS failed (above)"
 PY="$VENV/bin/python"
-"$PY" scripts/gpu_report.py --versions > "$OUT/versions.json" && cat "$OUT/versions.json"
+PYTHONPATH="$ROOT/runtime" "$PY" scripts/gpu_report.py --versions > "$OUT/versions.json" && cat "$OUT/versions.json"
 
 # the OpenAI Triton kernels compile for the device (tests/conftest.py defaults to the
 # interpreter); the source folders are the `saguaro` namespace package, nothing is installed

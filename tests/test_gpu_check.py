@@ -114,3 +114,25 @@ def test_the_shipped_pins_are_exact_and_inside_the_admitted_ranges(name):
     if "tensorrt-llm" in pinned:
         lowest, unchecked = SUPPORTED_TENSORRT_LLM
         assert lowest <= release(pinned["tensorrt-llm"]) < unchecked
+
+
+def test_the_report_gathers_steps_tests_and_figures(tmp_path):
+    """What a finished check leaves in its folder, gathered into gpu_check.json."""
+    from saguaro.runtime import gpu_report
+
+    (tmp_path / "steps.tsv").write_text("install\tpass\t12.5\nGPU tests\tfail (1)\t40.25\n")
+    (tmp_path / "gpu_tests.xml").write_text(
+        '<testsuites><testsuite><testcase classname="test_gpu" name="test_a" time="1.5"/>'
+        '<testcase classname="test_gpu" name="test_b" time="2"><failure message="boom"/></testcase>'
+        '<testcase classname="test_gpu" name="test_c" time="0"><skipped message="no"/></testcase>'
+        '</testsuite></testsuites>')
+    (tmp_path / "suite-fp16.json").write_text('{"decode_ms": 1.25}')
+    gpu_report.main(["--out", str(tmp_path), "--status", "failed"])
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["status"] == "failed"
+    assert report["steps"] == [{"step": "install", "status": "pass", "seconds": 12.5},
+                               {"step": "GPU tests", "status": "fail (1)", "seconds": 40.25}]
+    tests = report["gpu_tests"]
+    assert (tests["passed"], tests["failed"], tests["skipped"]) == (1, 1, 1)
+    assert tests["tests"][1] == {"test": "test_gpu::test_b", "outcome": "failed", "seconds": 2.0, "detail": "boom"}
+    assert report["latency_suite"] == {"fp32": None, "fp16": {"decode_ms": 1.25}}
