@@ -1,60 +1,158 @@
 #!/usr/bin/env bash
-# Check the GPU path on a machine with an NVIDIA GPU, in a few minutes: install what can be
-# installed (TensorRT from NVIDIA's index, OpenAI Triton, the CPU-side dependencies; TensorRT-LLM
-# only with GPU_CHECK_TENSORRT_LLM=1), run the GPU-only tests (tests/test_gpu.py and the real
-# TensorRT-LLM test) and print one line per check (tests/gpu_summary.py), then a count.
+# Check the GPU path on a machine with an NVIDIA GPU and no package index: install the pinned
+# requirements from a local wheel folder, build fp32 and fp16 TensorRT engines of the tiny pair,
+# run the GPU tests, then the engine latency suite and bench.py on those engines; one log and
+# one JSON of figures in the output folder. docs/gpu.md says how to fill the wheel folder.
 #
-#   bash scripts/gpu_check.sh                 # PYTHON=... picks the interpreter (default: .venv, else python3)
-#   GPU_CHECK_TENSORRT_LLM=1 bash scripts/gpu_check.sh -x
+#   bash scripts/gpu_check.sh --wheels DIR [--out DIR] [--tensorrt-llm] [--dry-run] [-- PYTEST_ARGS]
 #
-# The interpreter must already have a CUDA build of torch (this never installs torch). An install
-# that fails (no network, no wheel) is reported and its checks skip with the reason.
+#   --wheels DIR        the wheel folder (also GPU_CHECK_WHEELS); nothing is fetched from anywhere
+#   --out DIR           where the log, the JSON, the venvs, models and engines go (default gpu-check)
+#   --requirements F    the pinned requirements (default scripts/gpu-requirements.txt)
+#   --tensorrt-llm      also the real TensorRT-LLM target, in a venv of its own
+#                       (scripts/gpu-requirements-tensorrt-llm.txt)
+#   --dry-run           check the folder satisfies the pins and print the plan; install nothing
+#
+# Exit status: 0 every check passed; 1 a step or a check failed; 2 bad usage, an unpinned
+# requirement or a wheel folder that does not satisfy the pins; 3 no NVIDIA GPU found (stopped
+# before installing anything). PYTHON picks the base interpreter (default python3);
+# GPU_CHECK_NVIDIA_SMI the nvidia-smi command; GPU_CHECK_TIMEOUT a limit per step (s, 900).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-if [ -z "${PYTHON:-}" ]; then
-  PYTHON=python3
-  [ -x .venv/bin/python ] && PYTHON=.venv/bin/python
-fi
-INSTALL_TIMEOUT="${GPU_CHECK_INSTALL_TIMEOUT:-300}"
 
-try_install() {  # try_install <what> <pip arguments...>
-  local what="$1"; shift
-  if timeout "$INSTALL_TIMEOUT" "$PYTHON" -m pip install --quiet "$@" >/tmp/gpu_check_pip.log 2>&1; then
-    echo "install: $what ok"
-  else
-    echo "install: $what FAILED ($(tail -n 1 /tmp/gpu_check_pip.log))"
-  fi
+WHEELS="${GPU_CHECK_WHEELS:-}"
+OUT="gpu-check"
+REQUIREMENTS="scripts/gpu-requirements.txt"
+LLM_REQUIREMENTS="scripts/gpu-requirements-tensorrt-llm.txt"
+WITH_TENSORRT_LLM=0
+DRY_RUN=0
+PYTEST_ARGS=()
+usage() { sed -n '7,15p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --wheels) [ $# -ge 2 ] || usage; WHEELS="$2"; shift 2 ;;
+    --out) [ $# -ge 2 ] || usage; OUT="$2"; shift 2 ;;
+    --requirements) [ $# -ge 2 ] || usage; REQUIREMENTS="$2"; shift 2 ;;
+    --tensorrt-llm) WITH_TENSORRT_LLM=1; shift ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    --) shift; PYTEST_ARGS=("$@"); break ;;
+    -h|--help) usage ;;
+    *) echo "gpu_check: unknown argument $1" >&2; usage ;;
+  esac
+done
+
+BASE_PYTHON="${PYTHON:-python3}"
+NVIDIA_SMI="${GPU_CHECK_NVIDIA_SMI:-nvidia-smi}"
+STEP_TIMEOUT="${GPU_CHECK_TIMEOUT:-900}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+LOG="$OUT/gpu_check.log"
+: > "$LOG"
+exec > >(tee -a "$LOG") 2>&1
+STEPS="$OUT/steps.tsv"  # step <TAB> status <TAB> seconds, for the JSON
+: > "$STEPS"
+
+report() {  # report <status>: the JSON of figures, from whatever the steps left in $OUT
+  PYTHONPATH="$ROOT/runtime" "$BASE_PYTHON" scripts/gpu_report.py --out "$OUT" --status "$1" \
+    || echo "gpu_check: the report failed"
+}
+stop() {  # stop <exit code> <status> <message>
+  echo "gpu_check: $3"
+  report "$2"
+  echo "gpu_check: log $LOG, figures $OUT/gpu_check.json"
+  exit "$1"
 }
 
-has() { "$PYTHON" -c "import $1" >/dev/null 2>&1; }
-
-for module in onnx onnxruntime transformers tokenizers safetensors yaml tqdm pytest; do
-  has "$module" || try_install "$module" "$( [ "$module" = yaml ] && echo pyyaml || echo "$module")"
+# 1. the arguments and the wheel folder, before anything else
+[ -n "$WHEELS" ] || stop 2 usage "no wheel folder: pass --wheels DIR (docs/gpu.md says how to fill one)"
+[ -d "$WHEELS" ] || stop 2 usage "wheel folder $WHEELS does not exist"
+WHEELS="$(cd "$WHEELS" && pwd)"
+ls "$WHEELS"/*.whl >/dev/null 2>&1 || stop 2 usage "wheel folder $WHEELS holds no wheels (docs/gpu.md says how to fill it)"
+REQUIREMENT_FILES=("$REQUIREMENTS")
+[ "$WITH_TENSORRT_LLM" = 1 ] && REQUIREMENT_FILES+=("$LLM_REQUIREMENTS")
+for file in "${REQUIREMENT_FILES[@]}"; do
+  [ -f "$file" ] || stop 2 usage "requirements file $file does not exist"
+  unpinned="$(grep -vE '^\s*(#|$)' "$file" | grep -vE '^[A-Za-z0-9._-]+(\[[A-Za-z0-9,._-]+\])?==[^=<>!~]+$' || true)"
+  [ -z "$unpinned" ] || stop 2 usage "$file: not pinned with == : $(echo $unpinned)"
 done
-has onnx_ir || try_install onnx-ir "onnx-ir>=1.0,<2"
-has triton || try_install triton "triton>=3.2,<4"
-has tensorrt || try_install tensorrt --extra-index-url https://pypi.nvidia.com "tensorrt>=10.8,<12"
-if [ "${GPU_CHECK_TENSORRT_LLM:-0}" = 1 ]; then
-  has tensorrt_llm || try_install tensorrt_llm --extra-index-url https://pypi.nvidia.com tensorrt_llm
+
+resolve() {  # resolve <requirements>: can the folder alone satisfy them, for this interpreter?
+  "$BASE_PYTHON" -m pip install --dry-run --ignore-installed --quiet --no-index --find-links "$WHEELS" \
+    -r "$1" > "$OUT/resolve.log" 2>&1
+}
+for file in "${REQUIREMENT_FILES[@]}"; do
+  if ! resolve "$file"; then
+    grep -E "ERROR|No matching|conflict" "$OUT/resolve.log" | head -n 5
+    stop 2 wheels "the wheel folder does not satisfy $file for $("$BASE_PYTHON" -V 2>&1) (above; docs/gpu.md)"
+  fi
+  echo "gpu_check: $WHEELS satisfies $file"
+done
+
+PLAN=("tiny model pair" "engines fp32" "engines fp16" "GPU tests" "engine latency suite fp32"
+      "engine latency suite fp16" "bench.py fp32" "bench.py fp16")
+[ "$WITH_TENSORRT_LLM" = 1 ] && PLAN+=("TensorRT-LLM target")
+if [ "$DRY_RUN" = 1 ]; then
+  echo "gpu_check: dry run; would install ${REQUIREMENT_FILES[*]} from $WHEELS, then run:"
+  printf '  %s\n' "${PLAN[@]}"
+  stop 0 dry-run "dry run done: nothing installed, built or run"
 fi
 
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
-  | sed 's/^/gpu: /'
-"$PYTHON" - <<'PY'
-import importlib
-import torch
-print(f"torch: {torch.__version__}, CUDA {torch.version.cuda}, available: {torch.cuda.is_available()}")
-for name in ("tensorrt", "triton", "onnxruntime", "tensorrt_llm"):
-    try:
-        print(f"{name}: {importlib.import_module(name).__version__}")
-    except Exception as error:  # noqa: BLE001 - a report line, not a failure
-        print(f"{name}: not available ({type(error).__name__}: {str(error)[:120]})")
-PY
+# 2. a GPU, before installing gigabytes of CUDA wheels
+if ! GPUS="$("$NVIDIA_SMI" --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null)" \
+    || [ -z "$GPUS" ]; then
+  stop 3 no-gpu "no NVIDIA GPU found ($NVIDIA_SMI lists none): nothing was installed or run"
+fi
+echo "$GPUS" | sed 's/^/gpu: /' | tee "$OUT/gpus.txt"
 
-# TRITON_INTERPRET=0: the OpenAI Triton kernels compile for the device (tests/conftest.py
-# defaults to the CPU interpreter). The source folders are the `saguaro` namespace package.
+step() {  # step <name> <command...>: run it with a time limit, record status and seconds
+  local name="$1"; shift
+  local started; started="$(date +%s.%N)"
+  echo "=== $name: $*"
+  timeout "$STEP_TIMEOUT" "$@"
+  local rc=$?
+  local seconds; seconds="$(awk -v a="$started" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')"
+  local status=pass; [ $rc -eq 0 ] || status="fail ($rc)"
+  printf '%s\t%s\t%s\n' "$name" "$status" "$seconds" >> "$STEPS"
+  echo "=== $name: $status in ${seconds} s"
+  return $rc
+}
+install_env() {  # install_env <venv> <requirements>
+  [ -x "$1/bin/python" ] || "$BASE_PYTHON" -m venv --system-site-packages "$1"
+  "$1/bin/python" -m pip install --quiet --no-index --find-links "$WHEELS" -r "$2"
+}
+
+# 3. install, then the checks; a failed step is recorded and the next ones still run
+VENV="$OUT/venv"
+step "install" install_env "$VENV" "$REQUIREMENTS" || stop 1 failed "installing from $WHEELS failed (above)"
+PY="$VENV/bin/python"
+PYTHONPATH="$ROOT/runtime" "$PY" scripts/gpu_report.py --versions > "$OUT/versions.json" && cat "$OUT/versions.json"
+
+# the OpenAI Triton kernels compile for the device (tests/conftest.py defaults to the
+# interpreter); the source folders are the `saguaro` namespace package, nothing is installed
 export TRITON_INTERPRET=0
 export PYTHONPATH="$ROOT/runtime:$ROOT/plugins:$ROOT/build:$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}"
-exec timeout "${GPU_CHECK_TIMEOUT:-1200}" "$PYTHON" -m pytest -q -p no:cacheprovider -p gpu_summary -m gpu \
-  tests/test_gpu.py tests/test_tensorrt_llm_target.py "$@"
+PAIR="$OUT/models/tiny"
+step "tiny model pair" "$PY" scripts/make_models.py --size tiny --out "$PAIR"
+for precision in fp32 fp16; do
+  step "engines $precision" "$PY" scripts/build_engines.py --config tiny --backend tensorrt --precision "$precision" \
+    --target "$PAIR/target" --draft "$PAIR/draft" --out "$OUT/engines/tiny-$precision" --quiet
+done
+step "GPU tests" "$PY" -m pytest -q -p no:cacheprovider -p gpu_summary -m gpu --junitxml "$OUT/gpu_tests.xml" \
+  tests/test_gpu.py "${PYTEST_ARGS[@]}"
+for precision in fp32 fp16; do
+  step "engine latency suite $precision" "$PY" scripts/bench.py --engines "$OUT/engines/tiny-$precision" \
+    --engines-only -k 4 --json "$OUT/suite-$precision.json"
+  step "bench.py $precision" "$PY" scripts/bench.py --engines "$OUT/engines/tiny-$precision" -k 4 --max-tokens 64 \
+    --json "$OUT/bench-$precision.json"
+done
+if [ "$WITH_TENSORRT_LLM" = 1 ]; then
+  step "install TensorRT-LLM" install_env "$OUT/venv-tensorrt-llm" "$LLM_REQUIREMENTS" \
+    && step "TensorRT-LLM target" "$OUT/venv-tensorrt-llm/bin/python" -m pytest -q -p no:cacheprovider \
+      -p gpu_summary -m tensorrt_llm --junitxml "$OUT/tensorrt_llm_tests.xml" tests/test_tensorrt_llm_target.py
+fi
+
+if grep -q $'\tfail' "$STEPS"; then
+  stop 1 failed "some steps failed: $(grep $'\tfail' "$STEPS" | cut -f1 | paste -sd, -)"
+fi
+stop 0 passed "every step passed"

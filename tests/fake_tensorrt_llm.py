@@ -12,8 +12,11 @@ those logits with the request's strategy, accept when u <= q/p, on rejection dra
 max(target - draft, 0). Unless `TLLM_WORKER_USE_SINGLE_PROCESS=1`, the drafter is pickled
 and unpickled first, as TensorRT-LLM's MPI worker process receives it.
 
-`install(monkeypatch)` puts the modules in `sys.modules`; `LLM.instances` and each LLM's
-`prepare_calls` record what the drafter handed over.
+Every API surface the admitted versions have is modelled (`VARIANTS`): the three forms of
+`Drafter.__init__` (and what each pads to), and a request's sampling config as one-element
+lists with `random_seed` or as scalars with `seed`. `install(monkeypatch, variant)` puts
+the modules in `sys.modules`; `LLM.instances` and each LLM's `prepare_calls` record what
+the drafter handed over.
 """
 from __future__ import annotations
 
@@ -31,25 +34,87 @@ import torch
 from saguaro.plugins.probs import logits_to_probs
 from saguaro.runtime.engines.torch_engine import TorchEngine
 
-VERSION = "1.3.0rc0-fake"
+# --- tensorrt_llm._torch.speculative.drafter, in each admitted form ------------------------
+
+class DrafterBase(ABC):
+    """What every form has: the abstract hook the executor calls each iteration."""
+
+    @abstractmethod
+    def prepare_draft_tokens(self, scheduled_requests, resource_manager=None) -> None: ...
+
+    def pad_to(self) -> int:
+        raise NotImplementedError
+
+    def pad_draft_tokens_for_cuda_graph(self, scheduled_requests, resource_manager=None) -> None:
+        for request in scheduled_requests.generation_requests:
+            request.py_draft_tokens.extend(0 for _ in range(self.pad_to() - len(request.py_draft_tokens)))
 
 
-# --- tensorrt_llm._torch.speculative.drafter -----------------------------------------------
+class ConcurrencyDrafter(DrafterBase):
+    """1.0 - 1.1: only `max_concurrency`; padding reads `max_draft_len`, which the base never
+    sets (a subclass must)."""
 
-class Drafter(ABC):
+    def __init__(self, max_concurrency=None):
+        self.max_concurrency = max_concurrency
+
+    def pad_to(self) -> int:
+        return self.max_draft_len
+
+
+class DraftTokensDrafter(DrafterBase):
+    """1.2.0 release candidates: `max_draft_tokens` required, padding to its static copy."""
+
+    def __init__(self, max_draft_tokens, max_concurrency=None, draft_len_schedule=None):
+        self.max_concurrency, self.draft_len_schedule = max_concurrency, draft_len_schedule
+        self.max_draft_tokens = self._static_max_draft_tokens = max_draft_tokens
+
+    def pad_to(self) -> int:
+        return self._static_max_draft_tokens
+
+
+class DraftLenDrafter(DrafterBase):
+    """1.2: `max_draft_len` and `max_total_draft_tokens` (all keywords default to None)."""
+
     def __init__(self, max_draft_len=None, max_total_draft_tokens=None, max_concurrency=None,
                  draft_len_schedule=None):
         self.max_draft_len, self.max_total_draft_tokens = max_draft_len, max_total_draft_tokens
         self._static_max_total_draft_tokens = max_total_draft_tokens
         self.max_concurrency, self.draft_len_schedule = max_concurrency, draft_len_schedule
 
-    @abstractmethod
-    def prepare_draft_tokens(self, scheduled_requests, resource_manager=None) -> None: ...
+    def pad_to(self) -> int:
+        return self._static_max_total_draft_tokens
 
-    def pad_draft_tokens_for_cuda_graph(self, scheduled_requests, resource_manager=None) -> None:
-        for request in scheduled_requests.generation_requests:
-            request.py_draft_tokens.extend(0 for _ in range(self._static_max_total_draft_tokens
-                                                            - len(request.py_draft_tokens)))
+
+class UnknownDrafter(DrafterBase):
+    """A form no admitted version has (what a later release might bring)."""
+
+    def __init__(self, spec_config, max_draft_len):
+        self.spec_config, self.max_draft_len = spec_config, max_draft_len
+
+    def pad_to(self) -> int:
+        return self.max_draft_len
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One TensorRT-LLM API surface: the version it reports, its Drafter, and how a
+    request's sampling config holds its values ("list": one-element lists and
+    `random_seed`, the C++ binding; "scalar": plain values and `seed`)."""
+
+    version: str
+    drafter: type
+    sampling_config: str
+
+
+VARIANTS = {
+    "1.0": Variant("1.0.0", ConcurrencyDrafter, "list"),
+    "1.2.0rc": Variant("1.2.0rc2", DraftTokensDrafter, "list"),
+    "1.2": Variant("1.2.1", DraftLenDrafter, "list"),
+    # the scalar config of TensorRT-LLM's later sampler; the adapter reads both in any version
+    "scalar-config": Variant("1.2.1", DraftLenDrafter, "scalar"),
+}
+DEFAULT_VARIANT = "1.2"
+Drafter = VARIANTS[DEFAULT_VARIANT].drafter  # what `install` puts in place unless told otherwise
 
 
 # --- tensorrt_llm.llmapi and tensorrt_llm ----------------------------------------------------
@@ -100,6 +165,15 @@ def _listed(value):
     return None if value is None else [value]
 
 
+def sampling_config(params: SamplingParams, form: str) -> types.SimpleNamespace:
+    """A request's `sampling_config` in one of the two forms (`Variant.sampling_config`)."""
+    if form == "list":
+        return types.SimpleNamespace(temperature=_listed(params.temperature), top_k=_listed(params.top_k),
+                                     top_p=_listed(params.top_p), random_seed=_listed(params.seed))
+    return types.SimpleNamespace(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                 seed=params.seed)
+
+
 @dataclass
 class LlmRequest:
     """The LlmRequest attributes a drafter reads and writes."""
@@ -116,11 +190,11 @@ class LlmRequest:
     finish_reason: str | None = None
     cancelled: bool = False
 
+    sampling_form: str = "list"
+
     def __post_init__(self):
         self.tokens = list(self.prompt)
-        p = self.params
-        self.sampling_config = types.SimpleNamespace(temperature=_listed(p.temperature), top_k=_listed(p.top_k),
-                                                     top_p=_listed(p.top_p), random_seed=_listed(p.seed))
+        self.sampling_config = sampling_config(self.params, self.sampling_form)
 
     def get_tokens(self, beam: int) -> list[int]:
         assert beam == 0
@@ -171,6 +245,7 @@ class RequestOutput:
 
 class LLM:
     instances: list["LLM"] = []
+    variant: Variant = VARIANTS[DEFAULT_VARIANT]
 
     def __init__(self, model, backend=None, max_batch_size=8, max_seq_len=None, disable_overlap_scheduler=False,
                  kv_cache_config=None, speculative_config=None, **unknown):
@@ -178,7 +253,7 @@ class LLM:
         assert backend == "pytorch"
         if speculative_config is not None:
             assert disable_overlap_scheduler, "a user drafter reads the previous iteration's tokens"
-            assert isinstance(speculative_config.drafter, Drafter)
+            assert isinstance(speculative_config.drafter, sys.modules[DRAFTER_MODULE].Drafter)
         self.arguments = dict(model=model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                               kv_cache_config=kv_cache_config, speculative_config=speculative_config)
         self.target = TorchEngine(model, max_batch=64)  # TensorRT-LLM pages its own KV cache
@@ -205,7 +280,7 @@ class LLM:
             client_id = self._next_id
         result = RequestOutput(client_id, self)
         request = LlmRequest(py_request_id=client_id * 7, py_client_id=client_id, prompt=list(inputs),
-                             params=sampling_params)
+                             params=sampling_params, sampling_form=LLM.variant.sampling_config)
         self._incoming.put((request, result))
         return result
 
@@ -326,18 +401,24 @@ class LLM:
                     del self._active[client_id]
 
 
-def install(monkeypatch) -> None:
-    """Make `import tensorrt_llm` (and the submodules the target uses) find this stand-in."""
+DRAFTER_MODULE = "tensorrt_llm._torch.speculative.drafter"
+
+
+def install(monkeypatch, variant: str | Variant = DEFAULT_VARIANT) -> Variant:
+    """Make `import tensorrt_llm` (and the submodules the target uses) find this stand-in,
+    with the API surface of `variant` (a name of `VARIANTS`, or a `Variant`)."""
+    variant = VARIANTS[variant] if isinstance(variant, str) else variant
     root = types.ModuleType("tensorrt_llm")
-    root.__version__, root.LLM, root.SamplingParams = VERSION, LLM, SamplingParams
+    root.__version__, root.LLM, root.SamplingParams = variant.version, LLM, SamplingParams
     llmapi = types.ModuleType("tensorrt_llm.llmapi")
     llmapi.KvCacheConfig, llmapi.UserProvidedDecodingConfig = KvCacheConfig, UserProvidedDecodingConfig
-    drafter = types.ModuleType("tensorrt_llm._torch.speculative.drafter")
-    drafter.Drafter = Drafter
+    drafter = types.ModuleType(DRAFTER_MODULE)
+    drafter.Drafter = variant.drafter
     modules = {"tensorrt_llm": root, "tensorrt_llm.llmapi": llmapi, "tensorrt_llm._torch": types.ModuleType("t"),
-               "tensorrt_llm._torch.speculative": types.ModuleType("s"),
-               "tensorrt_llm._torch.speculative.drafter": drafter}
+               "tensorrt_llm._torch.speculative": types.ModuleType("s"), DRAFTER_MODULE: drafter}
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.delitem(sys.modules, "saguaro.runtime.engines.tensorrt_llm_drafter", raising=False)
+    monkeypatch.setattr(LLM, "variant", variant)
     LLM.instances.clear()
+    return variant

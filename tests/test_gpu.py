@@ -12,10 +12,13 @@ with its reason elsewhere. The checks, each a test:
   and B = 0 included: empty tensors, null-free bindings, data-dependent shapes);
 - the OpenAI Triton kernels, compiled for this device (TRITON_INTERPRET=0), equal the
   reference ops;
-- TensorRT engines match the ONNX Runtime engines (logits, verify outcome, branch plan);
-- SSD on TensorRT engines is token-identical to the target alone (greedy), with hits.
+- TensorRT engines match the ONNX Runtime engines (logits, verify outcome, branch plan),
+  which needs fp32 to be fp32: the manifest says TF32 was cleared;
+- SSD on TensorRT engines is token-identical to the target alone (greedy), with hits;
+- fp16 engines keep an fp16 cache, score as the fp16 model does, and run SSD.
 """
 import importlib.util
+import json
 import os
 
 import onnx
@@ -35,7 +38,7 @@ from saguaro.runtime.sampling import SamplingParams
 from test_export_ort import PROMPT, assert_same_logits, engine_config, prefilled
 from verify_rounds import random_round
 
-NO_TENSORRT = "TensorRT installs from NVIDIA's index only (pip install --extra-index-url https://pypi.nvidia.com)"
+NO_TENSORRT = "needs TensorRT (GPU machines: scripts/gpu_check.sh installs it from a wheel folder, docs/gpu.md)"
 # decided at collection, so that no fixture (model pair, engine builds) runs for nothing
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 needs_tensorrt = [pytest.mark.tensorrt,
@@ -63,6 +66,14 @@ def trt_engines(tiny_pair, tmp_path_factory):
     need_tensorrt()
     out = tmp_path_factory.mktemp("gpu") / "tensorrt"
     build_engines(engine_config(tiny_pair, backend="tensorrt"), out, show_progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trt_fp16_engines(tiny_pair, tmp_path_factory):
+    need_tensorrt()
+    out = tmp_path_factory.mktemp("gpu") / "tensorrt-fp16"
+    build_engines(engine_config(tiny_pair, precision="fp16", backend="tensorrt"), out, show_progress=False)
     return out
 
 
@@ -111,8 +122,6 @@ def test_tensorrt_is_supported_and_registers_both_plugins():
 
 @with_tensorrt
 def test_tensorrt_builds_every_graph(trt_engines, tiny_pair):
-    import json
-
     manifest = json.loads((trt_engines / "manifest.json").read_text())
     config = engine_config(tiny_pair, backend="tensorrt")
     for role in ("target", "draft"):
@@ -194,6 +203,8 @@ def test_triton_kernels_compiled_for_this_device_match_reference():
 
 @with_tensorrt
 def test_tensorrt_engines_match_onnxruntime(trt_engines, ort_engines):
+    manifest = json.loads((trt_engines / "manifest.json").read_text())
+    assert manifest["tensorrt"]["builder_flags"] == {"TF32": False}  # fp32 matmuls, not 10-bit mantissas
     compiled = load_engine_pair(trt_engines)
     for trt_engine, ort_engine in zip(compiled, ort_engines):
         (_, got), (_, want) = prefilled(trt_engine, PROMPT), prefilled(ort_engine, PROMPT)
@@ -235,3 +246,22 @@ def test_ssd_on_tensorrt_engines_equals_the_target_alone(trt_engines, tiny_pair,
         assert generation.output_ids == alone.output_ids
         hits += generation.stats.cache_hits
     assert hits > 0 or options.mode == "speculative"
+
+
+@with_tensorrt
+def test_fp16_engines_keep_an_fp16_cache_and_score_as_the_fp16_model(trt_fp16_engines, tiny_pair):
+    from saguaro.runtime.checkpoint import load_checkpoint
+    from saguaro.runtime.pipeline import Pipeline
+
+    manifest = json.loads((trt_fp16_engines / "manifest.json").read_text())
+    assert manifest["tensorrt"]["export_dtype"] == "float16"
+    target, draft = load_engine_pair(trt_fp16_engines)
+    assert target.cache_dtype == draft.cache_dtype == torch.float16 and target.logits_dtype == torch.float32
+    _, got = prefilled(target, PROMPT)
+    model = load_checkpoint(tiny_pair / "target").model.half()  # on the CPU, as the engines' reference
+    with torch.no_grad():
+        want = model.forward_sequence(torch.tensor(PROMPT)).float()
+    assert (got - want).abs().max() < 2e-2 * max(1.0, float(want.abs().max()))
+    options = DecodeOptions(mode="ssd", num_draft_tokens=4, fanout=(3,), max_tokens=32, eos_token_id=-1)
+    generation = Pipeline.load(engines=trt_fp16_engines).generate(PROMPT, options, SamplingParams())
+    assert len(generation.output_ids) == 32 and generation.stats.cache_hits + generation.stats.cache_misses > 0

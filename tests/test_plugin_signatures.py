@@ -70,7 +70,8 @@ def test_registration_declares_the_signature(name):
     parameters = list(inspect.signature(shapes).parameters)
     assert parameters == [*signature.input_names, *signature.attributes]
     descs = [input_desc(trt, spec.dtype, INPUT_EXTENTS.get(spec.name, [])) for spec in signature.inputs]
-    declared = shapes(*descs, **{attribute: 16 for attribute in signature.attributes})
+    declared = trt.plugin.layer(REGISTRATIONS[name].PLUGIN_ID, descs,
+                                **{attribute: 16 for attribute in signature.attributes})
     assert len(declared) == len(signature.outputs)
     for spec, desc in zip(signature.outputs, declared):
         assert desc.dtype == getattr(trt, spec.dtype), spec.name
@@ -97,9 +98,10 @@ def test_fused_verify_refuses_input_types_outside_its_signature():
 def test_branch_draft_shapes_follow_the_signature_extents(drafts, max_branches):
     """At the size tensors' bounds the declared shapes are `output_shapes(K, max_branches)`,
     and the bounds B <= max_branches, K*B, K + K*B are what the plugin promises TensorRT."""
-    trt, shapes, _ = registered(branch_trt)
+    trt, _, _ = registered(branch_trt)
     descs = [input_desc(trt, spec.dtype, INPUT_EXTENTS.get(spec.name, [])) for spec in BRANCH_DRAFT.inputs]
-    declared = dict(zip(BRANCH_DRAFT.output_names, shapes(*descs, max_branches=max_branches)))
+    declared = dict(zip(BRANCH_DRAFT.output_names, trt.plugin.layer(branch_trt.PLUGIN_ID, descs,
+                                                                    max_branches=max_branches)))
     env = {"drafts": drafts, "rows": drafts + 1, "vocab": 50}
     expected = output_shapes(drafts, max_branches)
     for spec in BRANCH_DRAFT.outputs:

@@ -27,8 +27,10 @@ from saguaro.compiler.builder import build_engines
 from saguaro.compiler.config import BuildConfig, config_from_dict, ConfigError
 from saguaro.runtime.contracts import Draft, RequestTarget, VerifyResult
 from saguaro.runtime.engines.tensorrt_llm_settings import TensorRTLLMSettings
-from saguaro.runtime.engines.tensorrt_llm_target import (TensorRTLLMTarget, draft_logits, import_tensorrt_llm,
-                                                         request_sampling, round_outcome, sampling_arguments)
+from saguaro.runtime.engines.tensorrt_llm_api import (check_tensorrt_llm_version, import_tensorrt_llm,
+                                                      request_sampling)
+from saguaro.runtime.engines.tensorrt_llm_target import (TensorRTLLMTarget, draft_logits, round_outcome,
+                                                         sampling_arguments)
 from saguaro.runtime.engines.torch_engine import TorchEngine
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline, RequestError
@@ -53,12 +55,18 @@ def trtllm_engines(tiny_pair, tmp_path_factory):
 
 
 @pytest.fixture
-def fake_llm(monkeypatch):
-    fake_tensorrt_llm.install(monkeypatch)
+def fake_llm(monkeypatch, request):
+    """The stand-in `LLM`, with the API surface of one admitted version: the newest by
+    default, any of `fake_tensorrt_llm.VARIANTS` by indirect parametrisation."""
+    fake_tensorrt_llm.install(monkeypatch, getattr(request, "param", fake_tensorrt_llm.DEFAULT_VARIANT))
     monkeypatch.delenv("TLLM_WORKER_USE_SINGLE_PROCESS", raising=False)
     yield fake_tensorrt_llm.LLM
     for llm in fake_tensorrt_llm.LLM.instances:
         llm.shutdown()
+
+
+EVERY_VARIANT = pytest.mark.parametrize("fake_llm", sorted(fake_tensorrt_llm.VARIANTS), indirect=True)
+BOTH_SAMPLING_CONFIGS = pytest.mark.parametrize("fake_llm", ["1.2", "scalar-config"], indirect=True)
 
 
 @pytest.fixture(scope="module")
@@ -120,15 +128,26 @@ def test_a_changed_target_checkpoint_is_refused(trtllm_engines, tmp_path):
 
 # --- the pieces of the mapping ---------------------------------------------------------
 
+@pytest.mark.parametrize("form", ["list", "scalar"])
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(seed=7),
                                       SamplingParams(temperature=0.8, seed=3),
                                       SamplingParams(temperature=1.2, top_k=5, top_p=0.9, seed=11)])
-def test_sampling_parameters_map_to_tensorrt_llm_and_back(sampling):
+def test_sampling_parameters_map_to_tensorrt_llm_and_back(sampling, form):
+    """Both forms a request's sampling config has: one-element lists with `random_seed`
+    (`0.8[0]`), scalars with `seed` (the seed must not be dropped)."""
     arguments = sampling_arguments(sampling, 16, 2)
     params = fake_tensorrt_llm.SamplingParams(**arguments)  # the real class's keywords and checks
-    request = fake_tensorrt_llm.LlmRequest(1, 1, [0, 1], params)
+    request = fake_tensorrt_llm.LlmRequest(1, 1, [0, 1], params, sampling_form=form)
     assert request_sampling(request.sampling_config) == sampling
     assert params.greedy == sampling.greedy and params.end_id == 2 and params.max_tokens == 16
+
+
+def test_a_sampling_config_of_an_unknown_form_is_refused_naming_the_version(monkeypatch):
+    fake_tensorrt_llm.install(monkeypatch, "1.2")
+    with pytest.raises(RuntimeError, match=r"TensorRT-LLM 1.2.1: a request's sampling_config has no \['top_p'\]"):
+        request_sampling(types.SimpleNamespace(temperature=0.5, top_k=None))
+    with pytest.raises(ValueError, match="holds 2 values; the SSD drafter drafts for one beam"):
+        request_sampling(types.SimpleNamespace(temperature=[0.5, 0.7], top_k=None, top_p=None))
 
 
 def test_never_stopping_early_ignores_eos():
@@ -166,6 +185,7 @@ def test_draft_logits_only_where_tensorrt_llm_recomputes_the_same_q():
 
 # --- against the stand-in LLM ------------------------------------------------------------
 
+@EVERY_VARIANT
 def test_the_llm_gets_the_drafter_and_its_arguments(fake_llm, trtllm_engines, tiny_pair):
     pipeline = Pipeline.load(engines=trtllm_engines, options=OPTIONS)
     assert isinstance(pipeline.target, RequestTarget) and isinstance(pipeline.target, TensorRTLLMTarget)
@@ -176,10 +196,12 @@ def test_the_llm_gets_the_drafter_and_its_arguments(fake_llm, trtllm_engines, ti
     assert arguments["kv_cache_config"].enable_block_reuse is False
     spec = arguments["speculative_config"]
     assert spec.max_draft_len == 3 and type(spec.drafter).__name__ == "TensorRTLLMDrafter"
-    assert spec.drafter.max_draft_len == spec.drafter.max_total_draft_tokens == 3
+    assert isinstance(spec.drafter, fake_llm.variant.drafter)
+    assert spec.drafter.pad_to() == 3  # the installed base class pads every draft to K
     assert llm.in_process and llm.drafter is spec.drafter
 
 
+@EVERY_VARIANT
 def test_greedy_ssd_through_tensorrt_llm_equals_the_target_alone(fake_llm, trtllm_engines, reference_target):
     pipeline = Pipeline.load(engines=trtllm_engines, options=OPTIONS)
     options = DecodeOptions(**{**OPTIONS.__dict__, "eos_token_id": -1})
@@ -252,6 +274,7 @@ def test_concurrent_requests_are_batched_and_each_exact(fake_llm, trtllm_engines
     assert max(len(call) for call in llm.prepare_calls) > 1  # several requests in one iteration
 
 
+@BOTH_SAMPLING_CONFIGS
 def test_sampled_requests_hand_over_the_q_their_drafts_came_from(fake_llm, trtllm_engines):
     pipeline = Pipeline.load(engines=trtllm_engines, options=OPTIONS)
     options = DecodeOptions(**{**OPTIONS.__dict__, "eos_token_id": -1, "max_tokens": 12})
@@ -328,8 +351,41 @@ def test_cancellation_aborts_the_request(fake_llm, trtllm_engines):
 
 def test_missing_tensorrt_llm_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "tensorrt_llm", None)
-    with pytest.raises(ImportError, match="pip install tensorrt_llm"):
+    with pytest.raises(ImportError, match="pip install 'tensorrt-llm>=1.0,<1.3'"):
         import_tensorrt_llm()
+
+
+@pytest.mark.parametrize("version", ["1.0.0", "1.1.0", "1.2.0rc2", "1.2.0rc6.post2", "1.2.1"])
+def test_supported_tensorrt_llm_versions(version):
+    check_tensorrt_llm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.21.0", "1.3.0rc0", "2.0.0"])
+def test_a_tensorrt_llm_outside_the_range_is_refused_naming_it(monkeypatch, version):
+    fake_tensorrt_llm.install(monkeypatch, fake_tensorrt_llm.Variant(version, fake_tensorrt_llm.DraftLenDrafter,
+                                                                     "list"))
+    with pytest.raises(ImportError, match=f"TensorRT-LLM {version} is not supported.*tensorrt-llm>=1.0,<1.3"):
+        import_tensorrt_llm()
+
+
+def test_a_drafter_constructor_of_unknown_form_is_refused_naming_the_version(monkeypatch):
+    fake_tensorrt_llm.install(monkeypatch, fake_tensorrt_llm.Variant("1.2.1", fake_tensorrt_llm.UnknownDrafter,
+                                                                     "list"))
+    with pytest.raises(RuntimeError, match=r"TensorRT-LLM 1.2.1: Drafter.__init__\(spec_config, max_draft_len\) "
+                                           "is none of the forms"):
+        import_tensorrt_llm()
+
+
+@pytest.mark.parametrize("variant", sorted(fake_tensorrt_llm.VARIANTS))
+def test_every_admitted_drafter_form_is_built_with_the_draft_length(monkeypatch, variant):
+    """Each form's base class constructed the way it wants, padding a short draft to K
+    (the `max_concurrency`-only form reads an attribute the base never sets)."""
+    fake_tensorrt_llm.install(monkeypatch, variant)
+    api = import_tensorrt_llm()
+    drafter = api.Drafter(types.SimpleNamespace(k=5))
+    request = fake_tensorrt_llm.LlmRequest(1, 1, [0], fake_tensorrt_llm.SamplingParams(), py_draft_tokens=[7, 8])
+    drafter.pad_draft_tokens_for_cuda_graph(fake_tensorrt_llm.ScheduledRequests(generation_requests=[request]))
+    assert request.py_draft_tokens == [7, 8, 0, 0, 0]
 
 
 # --- the real TensorRT-LLM (GPU machines) -------------------------------------------------

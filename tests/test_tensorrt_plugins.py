@@ -2,24 +2,30 @@
 
 What needs TensorRT itself (registering with `tensorrt.plugin`, building and running an
 engine on a GPU) is in `test_gpu.py` (`scripts/gpu_check.sh`); here the ONNX-side
-preparation and the builder's calls, against a stand-in of TensorRT 10.x and 11.x.
+preparation, the builder's calls and flags, the precisions' exports and BranchDraft's
+shape expressions, against a stand-in of TensorRT 10.8 to 11.x (`fake_tensorrt.py`).
 """
+import json
 from unittest import mock
 
+import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from fake_tensorrt import fake_tensorrt
+from fake_tensorrt import ExpressionBuilder, StaleExpressionBuilder, fake_tensorrt, input_desc
 from saguaro.compiler import builder, tensorrt_builder
-from saguaro.compiler.config import BuildConfig, ConfigError
+from saguaro.compiler.builder import build_engines
+from saguaro.compiler.config import BuildConfig, ConfigError, config_from_dict
 from saguaro.compiler.tensorrt_builder import TensorRTBuildOptions, profile_shapes, strip_plugin_functions
 from saguaro.plugins.branch_draft import PLUGIN_VERSION as BRANCH_VERSION
 from saguaro.plugins.branch_draft import onnx_function as branch_onnx
 from saguaro.plugins.branch_draft import tensorrt_plugin as branch_trt
+from saguaro.plugins.branch_draft.signature import SIGNATURE as BRANCH_DRAFT
 from saguaro.plugins.fused_verify import PLUGIN_VERSION as VERIFY_VERSION
 from saguaro.plugins.fused_verify import onnx_function as verify_onnx
 from saguaro.plugins.fused_verify import tensorrt_plugin as verify_trt
+from saguaro.plugins.signature import onnx_type
 from saguaro.plugins.tensorrt_registry import check_plugin_version, check_tensorrt_version
 
 try:
@@ -103,7 +109,7 @@ def test_build_options_from_a_config_section():
     options = TensorRTBuildOptions.from_mapping(
         {"dims": {"batch": [1, 1, 4]}, "precision": "fp16", "workspace_gib": 0.5})
     assert options.dim_ranges == {"batch": (1, 1, 4)} and options.precision == "fp16"
-    assert options.workspace_bytes == 1 << 29 and options.strongly_typed
+    assert options.workspace_bytes == 1 << 29
     with pytest.raises(ValueError):
         TensorRTBuildOptions(precision="fp8")
     with pytest.raises(ValueError):
@@ -119,10 +125,12 @@ def test_missing_tensorrt_says_how_to_install_it(tmp_path):
         tensorrt_builder.build_engine(tmp_path / "model.onnx", tmp_path / "model.plan", {})
 
 
-@pytest.mark.parametrize("version, flags", [("10.8.0.43", 1 << 1), ("11.0.0", 0)])
+@pytest.mark.parametrize("version, flags", [("10.8.0.43", 1 << 1), ("10.14.1.48", 1 << 1), ("11.0.0", 0),
+                                            ("11.4.0.106", 0)])
 def test_build_engine_drives_the_builder_api(tmp_path, version, flags):
     """On 10.x the network is created STRONGLY_TYPED (by name: the flag is 1 there); on 11
-    every network is strongly typed and the deprecated flag (0 there) is not passed."""
+    every network is strongly typed and the deprecated flag (0 there) is not passed. TF32,
+    on in every new builder config, is cleared; no precision flag is set."""
     onnx_path = tmp_path / "branch.onnx"
     onnx.save(branch_onnx.standalone_model(), onnx_path)
     trt = fake_tensorrt(version)
@@ -137,31 +145,56 @@ def test_build_engine_drives_the_builder_api(tmp_path, version, flags):
     assert len(parsed.functions) == 0 and parsed_path == str(onnx_path)
     profile = trt.Builder.return_value.create_optimization_profile.return_value
     profile.set_shape.assert_any_call("scores", (1, 64), (5, 64), (9, 64))
-    trt.Builder.return_value.create_builder_config.return_value.set_flag.assert_not_called()
+    _, builder_config = trt.Builder.return_value.build_serialized_network.call_args.args
+    assert builder_config.flags == set(), "TF32 must be cleared, and nothing else set"
+    assert builder_config.profiles == [profile]
     assert (tmp_path / "out" / "branch.plan").read_bytes() == b"plan-bytes"
 
 
-def test_weak_typing_flags_only_where_tensorrt_still_has_them():
-    weak_fp16 = TensorRTBuildOptions(precision="fp16", strongly_typed=False)
-    trt, config = fake_tensorrt("10.9.0"), mock.MagicMock()
-    tensorrt_builder.apply_precision(trt, config, weak_fp16)
-    config.set_flag.assert_called_once_with(trt.BuilderFlag.FP16)
-    assert tensorrt_builder.network_flags(trt, weak_fp16) == 0
-    trt, config = fake_tensorrt("11.1.0"), mock.MagicMock()  # weak typing removed
-    with pytest.raises(RuntimeError, match="no weak typing"):
-        tensorrt_builder.apply_precision(trt, config, weak_fp16)
-    config.set_flag.assert_not_called()
-    tensorrt_builder.check_precision_support(trt, TensorRTBuildOptions(precision="fp32"))
+def test_a_new_builder_config_has_tf32_on_as_in_tensorrt():
+    """What the stand-in must model for the test above to mean anything (NvInfer.h:
+    kTF32 "Enabled by default", 10.8 to 11.1)."""
+    for version in ("10.8.0", "11.1.0"):
+        trt = fake_tensorrt(version)
+        config = trt.Builder(trt.Logger()).create_builder_config()
+        assert config.get_flag(trt.BuilderFlag.TF32)
 
 
-def test_fp16_on_tensorrt_11_is_refused_before_any_export(tiny_pair):
-    config = BuildConfig(name="fp16", target=tiny_pair / "target", draft=tiny_pair / "draft",
-                         backend="tensorrt", precision="fp16")
-    with mock.patch.object(builder, "import_tensorrt", return_value=fake_tensorrt("11.0.0")):
-        with pytest.raises(ConfigError, match="precision=fp16.*no weak typing"):
-            builder.check_backend(config)
-    with mock.patch.object(builder, "import_tensorrt", return_value=fake_tensorrt("10.16.0")):
-        builder.check_backend(config)
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_the_manifest_says_how_the_engines_compute(precision):
+    entry = tensorrt_builder.manifest_entry(precision)
+    assert entry == {"precision": precision, "export_dtype": tensorrt_builder.EXPORT_DTYPES[precision],
+                     "strongly_typed": True, "builder_flags": {"TF32": False}}
+
+
+def weights_model(elem_type: int) -> onnx.ModelProto:
+    weight = helper.make_tensor("w", elem_type, [2, 2], [1.0, 0.0, 0.0, 1.0])
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "forward",
+                              [helper.make_tensor_value_info("x", elem_type, [1, 2])],
+                              [helper.make_tensor_value_info("y", elem_type, [1, 2])], [weight])
+    return helper.make_model(graph)
+
+
+@pytest.mark.parametrize("precision, elem_type", [("fp32", TensorProto.FLOAT), ("fp16", TensorProto.FLOAT16),
+                                                  ("bf16", TensorProto.BFLOAT16)])
+def test_an_engine_is_built_only_from_a_graph_exported_in_its_precision(precision, elem_type):
+    tensorrt_builder.check_graph_precision(weights_model(elem_type), precision)
+    other = "fp16" if precision == "fp32" else "fp32"
+    with pytest.raises(ValueError, match=f"a {other} engine needs them exported as"):
+        tensorrt_builder.check_graph_precision(weights_model(elem_type), other)
+    tensorrt_builder.check_graph_precision(branch_onnx.standalone_model(), other)  # no weights: any
+
+
+def test_a_plugin_input_of_a_type_outside_its_signature_is_refused_before_tensorrt():
+    model = verify_onnx.standalone_model()
+    logits = next(i for i in model.graph.input if i.name == "target_logits")
+    for elem_type in (TensorProto.FLOAT16, TensorProto.BFLOAT16):  # half-precision logits are fine
+        logits.type.tensor_type.elem_type = elem_type
+        strip_plugin_functions(model)
+    logits.type.tensor_type.elem_type = TensorProto.DOUBLE
+    with pytest.raises(ValueError, match="input target_logits .* is double; the FusedVerify plugin takes "
+                                         "float32 or float16 or bfloat16"):
+        strip_plugin_functions(model)
 
 
 @pytest.mark.parametrize("version", ["10.8.0.43", "10.16.1", "11.0.0", "11.4.2.1"])
@@ -173,3 +206,156 @@ def test_supported_tensorrt_versions(version):
 def test_unsupported_tensorrt_versions_are_refused_with_the_range(version):
     with pytest.raises(ImportError, match=r">= 10.8, < 12"):
         check_tensorrt_version(version)
+
+
+# --- BranchDraft's shape expressions on every TensorRT version admitted -----------------
+
+SHAPE_PASS_VERSIONS = ["10.8.0.43", "10.14.1.48", "10.15.1.29", "11.4.0.106"]
+BRANCH_EXTENTS = {"scores": ["rows", "vocab"], "draft_tokens": ["drafts"], "fanout": ["rows"], "context_length": []}
+
+
+def branch_inputs(trt, scores_dtype: str = "float32") -> list:
+    return [input_desc(trt, scores_dtype if spec.name == "scores" else spec.dtype, BRANCH_EXTENTS[spec.name])
+            for spec in BRANCH_DRAFT.inputs]
+
+
+@pytest.mark.parametrize("version", SHAPE_PASS_VERSIONS)
+def test_branch_draft_makes_no_constant_while_shapes_are_fake(version):
+    """TensorRT asks a plugin layer for its output types (fake shapes), then its shapes.
+    Before 10.15 the second layer's types pass runs with the first shape pass's builder
+    still referenced after TensorRT destroyed it: a constant made then is a use after
+    free. Two layers, every version: types right, bounds right, no stale builder."""
+    trt = fake_tensorrt(version)
+    branch_trt._define_plugin(trt, trt.plugin)
+    for _ in range(2):
+        declared = dict(zip(BRANCH_DRAFT.output_names,
+                            trt.plugin.layer(branch_trt.PLUGIN_ID, branch_inputs(trt), max_branches=16)))
+    types = trt.plugin.output_types(branch_trt.PLUGIN_ID, [getattr(trt, s.dtype) for s in BRANCH_DRAFT.inputs],
+                                    [s.rank for s in BRANCH_DRAFT.inputs], max_branches=16)
+    assert types == [getattr(trt, spec.dtype) for spec in BRANCH_DRAFT.outputs]
+    env = {"drafts": 4, "rows": 5, "vocab": 64}
+    bounds = {name: (declared[name].opt.value(env), declared[name].upper_bound.value(env))
+              for name in branch_trt.SIZE_TENSORS}
+    assert bounds == {"branches": (8, 16), "mask_rows": (32, 64), "mask_cols": (36, 68)}
+
+
+@pytest.mark.parametrize("version, stale", [("10.8.0.43", True), ("10.14.1.48", True), ("10.15.1.29", False),
+                                            ("11.4.0.106", False)])
+def test_the_stand_in_has_the_stale_builder_of_tensorrt_before_10_15(version, stale):
+    """What the test above relies on: a shape function that turns an int into an
+    expression in every pass (as BranchDraft's did) fails on a second layer before 10.15
+    (tensorrt.plugin resets the builder only from release/10.15 on)."""
+    trt = fake_tensorrt(version)
+
+    @trt.plugin.register("test::IntBound")
+    def int_bound(x, bound: int):
+        return (trt.plugin.size_tensor(trt.plugin.ShapeExpr(bound), trt.plugin.ShapeExpr(bound)),)
+
+    x = input_desc(trt, "int64", ["n"])
+    trt.plugin.layer("test::IntBound", [x], bound=4)  # no builder has existed yet: fake, harmless
+    if stale:
+        with pytest.raises(StaleExpressionBuilder):
+            trt.plugin.layer("test::IntBound", [x], bound=4)
+    else:
+        trt.plugin.layer("test::IntBound", [x], bound=4)
+
+
+def test_size_tensor_expressions_take_no_arithmetic_as_in_tensorrt():
+    trt = fake_tensorrt("10.8.0")
+    trt.plugin.builder = ExpressionBuilder()
+    size = trt.plugin.size_tensor(trt.plugin.ShapeExpr(2), trt.plugin.ShapeExpr(8))
+    with pytest.raises(ValueError, match="size tensor"):
+        size.expr() * 2
+    with pytest.raises(ValueError, match="size tensor"):
+        trt.plugin.ShapeExpr(3) + size.expr()
+    with pytest.raises(TypeError):
+        2 * trt.plugin.ShapeExpr(3)  # no reflected operators in tensorrt.plugin
+    assert (trt.plugin.ShapeExpr(3) * 4).value({}) == 12
+
+
+def test_branch_draft_takes_half_precision_scores_and_refuses_other_types():
+    trt = fake_tensorrt("10.16.1")
+    branch_trt._define_plugin(trt, trt.plugin)
+    for dtype in ("float16", "bfloat16"):
+        trt.plugin.layer(branch_trt.PLUGIN_ID, branch_inputs(trt, dtype), max_branches=8)
+    inputs = branch_inputs(trt)
+    inputs[2] = input_desc(trt, "int32", ["rows"])
+    with pytest.raises(TypeError, match="fanout must be int64"):
+        trt.plugin.layer(branch_trt.PLUGIN_ID, inputs, max_branches=8)
+
+
+# --- a TensorRT engine directory built on CPU against the stand-in ------------------------
+
+@pytest.fixture(scope="module")
+def tensorrt_builds(tiny_pair, tmp_path_factory):
+    """The tiny pair built for backend tensorrt at each precision through the real pipeline
+    (checks, export, plugin graphs, manifest), TensorRT itself the stand-in."""
+    builds = {}
+    for precision in ("fp32", "fp16", "bf16"):
+        trt = fake_tensorrt("10.13.3.9")
+        config = BuildConfig(name=f"trt-{precision}", target=tiny_pair / "target", draft=tiny_pair / "draft",
+                             backend="tensorrt", precision=precision, max_draft_tokens=4, max_branches=8,
+                             max_context=64)
+        out = tmp_path_factory.mktemp("trt") / precision
+        with mock.patch.object(builder, "import_tensorrt", return_value=trt), \
+                mock.patch.object(tensorrt_builder, "import_tensorrt", return_value=trt), \
+                mock.patch.object(tensorrt_builder, "register_plugins"):
+            build_engines(config, out, show_progress=False)
+        builds[precision] = (out, trt)
+    return builds
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_tensorrt_builds_export_in_their_precision_with_tf32_off(tensorrt_builds, precision):
+    out, trt = tensorrt_builds[precision]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["tensorrt"] == tensorrt_builder.manifest_entry(precision)
+    dtype = TensorProto.DataType.Name(onnx_type(tensorrt_builder.EXPORT_DTYPES[precision])).lower()
+    for role, stem in (("target", "forward"), ("target", "verify"), ("draft", "forward")):
+        signature = manifest["models"][role]["signatures"][stem]
+        kinds = {v["name"]: v["dtype"] for v in (*signature["inputs"], *signature["outputs"])}
+        assert kinds["past_keys"] == kinds["present_values"] == dtype, (role, stem)
+        assert kinds["logits"] == "float"  # the model's logits leave in float32 at any precision
+    builds = trt.Builder.return_value.build_serialized_network.call_args_list
+    assert len(builds) == 4  # target forward and verify, draft forward and branch_draft
+    assert all(not config.get_flag(trt.BuilderFlag.TF32) for _, config in (call.args for call in builds))
+
+
+def test_an_fp16_export_computes_what_the_fp16_model_computes(tensorrt_builds, tiny_pair):
+    """ONNX Runtime runs the fp16 graph on CPU (it has no bf16 kernels): its logits are
+    the fp16 torch model's, and its cache stays fp16 from step to step."""
+    import onnxruntime
+    import torch
+
+    from saguaro.runtime.checkpoint import load_checkpoint
+
+    out, _ = tensorrt_builds["fp16"]
+    model = load_checkpoint(tiny_pair / "target").model.half()
+    session = onnxruntime.InferenceSession(str(out / "target" / "forward.onnx"), providers=["CPUExecutionProvider"])
+    tokens = torch.tensor([[0, 5, 9, 14, 3]])
+    layers, heads, dim = model.shape.kv_shape
+    empty = torch.zeros(layers, 1, heads, 0, dim, dtype=torch.float16)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()[None]
+    feeds = {"input_ids": tokens, "position_ids": torch.arange(5)[None], "attention_mask": mask,
+             "past_keys": empty, "past_values": empty}
+    logits, keys, _ = session.run(None, {name: value.numpy() for name, value in feeds.items()})
+    with torch.no_grad():
+        want, _, _ = model.forward_concat(*feeds.values())
+    assert keys.dtype == np.float16
+    assert np.abs(logits - want.numpy()).max() < 2e-2 * max(1.0, float(want.abs().max()))
+    assert (logits.argmax(-1) == want.numpy().argmax(-1)).all()
+
+
+@pytest.mark.parametrize("backend, given, expected", [("tensorrt", None, "fp16"), ("tensorrt", "auto", "fp16"),
+                                                      ("tensorrt", "bf16", "bf16"), ("onnxruntime", None, "fp32"),
+                                                      ("onnxruntime", "auto", "fp32")])
+def test_a_config_without_a_precision_gets_its_backends_default(backend, given, expected):
+    raw = {"name": "t", "target": "a", "draft": "b", "backend": backend}
+    if given is not None:
+        raw["precision"] = given
+    assert config_from_dict(raw).precision == expected
+
+
+def test_bf16_is_a_gpu_precision_only():
+    with pytest.raises(ConfigError, match="precision='bf16' is not supported by backend onnxruntime"):
+        config_from_dict({"name": "t", "target": "a", "draft": "b", "precision": "bf16"})

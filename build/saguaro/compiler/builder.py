@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from saguaro.compiler import export, onnxruntime_builder
 from saguaro.compiler.config import BuildConfig, ConfigError, config_to_dict
-from saguaro.compiler.tensorrt_builder import TensorRTBuildOptions, build_engine, check_precision_support
+from saguaro.compiler.tensorrt_builder import EXPORT_DTYPES, TensorRTBuildOptions, build_engine, manifest_entry
 from saguaro.plugins.tensorrt_registry import import_tensorrt
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.calibration import measure_calibration
@@ -101,20 +101,27 @@ def check_backend(config: BuildConfig) -> None:
     tensorrt_llm target needs TensorRT-LLM only where it is served, not to build.)"""
     if config.draft_backend == "tensorrt":
         try:
-            trt = import_tensorrt()
+            import_tensorrt()
         except ImportError as error:
             raise ConfigError(f"backend={config.backend}: {error}") from error
-        try:
-            check_precision_support(trt, TensorRTBuildOptions(precision=config.precision,
-                                                              strongly_typed=tensorrt_strongly_typed(config)))
-        except RuntimeError as error:
-            raise ConfigError(f"backend={config.backend}, precision={config.precision}: {error}") from error
+        check_bf16_device(config)
     elif config.precision in ("int8", "int4"):
         try:
             from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer  # noqa: F401
         except ImportError as error:
             raise ConfigError(f"precision={config.precision} needs ONNX Runtime's MatMulNBits quantiser ({error}); "
                               "pip install onnx-ir") from error
+
+
+def check_bf16_device(config: BuildConfig) -> None:
+    """bf16 kernels need compute capability 8.0 (Ampere) or newer; TensorRT builds engines
+    for the GPU it runs on, so that one is asked."""
+    if config.precision != "bf16" or not torch.cuda.is_available():
+        return
+    capability = torch.cuda.get_device_capability()
+    if capability < (8, 0):
+        raise ConfigError(f"precision=bf16 needs a GPU of compute capability >= 8.0; "
+                          f"{torch.cuda.get_device_name()} is {capability[0]}.{capability[1]} (use fp16)")
 
 
 def check_output(out: Path) -> None:
@@ -131,7 +138,8 @@ def export_model(config: BuildConfig, source: Source, folder: Path, work: Path) 
         return {}
     if backend == "onnxruntime":
         return onnxruntime_builder.export_role(config, source.role, source.shape, source.path, folder)
-    model = load_checkpoint(source.path).model
+    # strongly typed engines compute in the types of the graph: export in the precision
+    model = load_checkpoint(source.path).model.to(getattr(torch, EXPORT_DTYPES[config.precision]))
     forward = export.export_forward(model, work / f"{source.role}_forward.onnx", config.opset)
     graphs = {"forward": forward}
     if source.role == "target":
@@ -151,11 +159,6 @@ def build_backend(config: BuildConfig, path: Path, shape) -> Path:
     return build_engine(path, path.with_suffix(".plan"), tensorrt_options(config, shape.vocab_size, path.stem))
 
 
-def tensorrt_strongly_typed(config: BuildConfig) -> bool:
-    """fp16 asks the builder for lower-precision kernels of the fp32 graph (weak typing)."""
-    return config.precision == "fp32"
-
-
 def tensorrt_options(config: BuildConfig, vocab_size: int, graph: str) -> TensorRTBuildOptions:
     """The optimisation profile of one graph over its named dimensions.
 
@@ -170,8 +173,7 @@ def tensorrt_options(config: BuildConfig, vocab_size: int, graph: str) -> Tensor
     dims = {"batch": (1, 1, config.max_batch), "n": query, "past": (0, typical, cache),
             "total": tuple(p + n for p, n in zip((0, typical, cache), query)),
             "k": (0, k, k), "k_plus_1": (1, k + 1, k + 1), "vocab": (vocab_size,) * 3}
-    return TensorRTBuildOptions(dim_ranges=dims, precision=config.precision,
-                                strongly_typed=tensorrt_strongly_typed(config))
+    return TensorRTBuildOptions(dim_ranges=dims, precision=config.precision)
 
 
 def copy_tokenizer(source: Path, folder: Path) -> list[str]:
@@ -219,12 +221,15 @@ def model_entry(source: Source, graphs: dict[str, dict[str, str]], root: Path) -
 
 def manifest_content(config: BuildConfig, sources: list[Source], record: BuildRecord, root: Path) -> dict:
     target = sources[0]
-    return {"name": config.name, "backend": config.backend, "precision": config.precision,
-            "build": config_to_dict(config),
-            "models": {s.role: model_entry(s, record.graphs[s.role], root) for s in sources},
-            "tokenizer": {"dir": TOKENIZER_DIR, "fingerprint": target.fingerprint,
-                          "vocab_size": target.shape.vocab_size},
-            "versions": versions(config), "inputs": input_hashes(sources)}
+    content = {"name": config.name, "backend": config.backend, "precision": config.precision,
+               "build": config_to_dict(config),
+               "models": {s.role: model_entry(s, record.graphs[s.role], root) for s in sources},
+               "tokenizer": {"dir": TOKENIZER_DIR, "fingerprint": target.fingerprint,
+                             "vocab_size": target.shape.vocab_size},
+               "versions": versions(config), "inputs": input_hashes(sources)}
+    if config.draft_backend == "tensorrt":  # how the engines compute: types, TF32
+        content["tensorrt"] = manifest_entry(config.precision)
+    return content
 
 
 def build_role(config: BuildConfig, source: Source, staging: Path, record: BuildRecord, bar) -> None:

@@ -25,9 +25,13 @@ from saguaro.runtime.engines.tensorrt_llm_settings import TensorRTLLMSettings
 # the draft's graphs are built for `tensorrt_llm.draft_backend`.
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt_llm")
 # int8: ORT dynamic quantisation (MatMulInteger); int4: ORT's weight-only MatMulNBits.
-# TensorRT builds float engines here; its int8/int4 would need calibration or Q/DQ graphs.
+# TensorRT builds float engines here, strongly typed from a graph exported in the precision
+# (bf16 needs an Ampere or newer GPU); its int8/int4 would need calibration or Q/DQ graphs.
 # For tensorrt_llm, `precision` is the draft's, in its draft backend.
-PRECISIONS = {"onnxruntime": ("fp32", "int8", "int4"), "tensorrt": ("fp32", "fp16")}
+PRECISIONS = {"onnxruntime": ("fp32", "int8", "int4"), "tensorrt": ("fp32", "fp16", "bf16")}
+# A config that names no precision (or `auto`) gets its backend's: fp32 on CPU cores (ONNX
+# Runtime has no bf16 kernels, and its fp16 is no faster there), fp16 on a GPU.
+DEFAULT_PRECISIONS = {"onnxruntime": "fp32", "tensorrt": "fp16"}
 MIN_OPSET = 17  # LayerNormalization-era opsets; the plugin functions are written for >= 17
 MAX_DRAFT_TOKENS_LIMIT = 64  # beyond this a verify forward is no longer "one step"
 
@@ -164,6 +168,8 @@ def config_from_dict(raw: Any, where: str = "config") -> BuildConfig:
     fields = {key: value for key, value in raw.items() if key not in ("session", "tensorrt_llm")}
     fields["target"], fields["draft"] = Path(fields["target"]), Path(fields["draft"])
     config = BuildConfig(**fields, session=session, tensorrt_llm=tensorrt_llm)
+    if fields.get("precision", "auto") == "auto" and config.draft_backend in DEFAULT_PRECISIONS:
+        config = dataclasses.replace(config, precision=DEFAULT_PRECISIONS[config.draft_backend])
     _check_values(config, where)
     return config
 

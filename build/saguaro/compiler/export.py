@@ -15,7 +15,7 @@ exactly the work of one kind of call:
 
 Forward I/O (the layout of `runtime.llama.Llama.forward_concat`):
   input_ids, position_ids [batch, n] int64; attention_mask [batch, n, past + n] bool;
-  past_keys, past_values [layers, batch, kv_heads, past, head_dim] float32
+  past_keys, past_values [layers, batch, kv_heads, past, head_dim] in the model's dtype
   -> logits [batch, n, vocab] float32; present_keys, present_values [.., past + n, ..].
 The two target graphs share one external weights file on disk (`weights.bin`).
 """
@@ -63,12 +63,15 @@ class _ForwardConcat(torch.nn.Module):
 
 
 def example_forward_inputs(model: Llama, batch: int = 2, n: int = 3, past: int = 5):
-    """Distinct sizes per axis, so the tracer cannot mistake one dynamic axis for another."""
+    """Distinct sizes per axis, so the tracer cannot mistake one dynamic axis for another.
+    The cache is in the weights' dtype (a half-precision model keeps a half-precision cache)."""
     layers, heads, dim = model.shape.kv_shape
+    dtype = model.lm_head.weight.dtype
     mask = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past).expand(batch, n, past + n)
     return (torch.zeros(batch, n, dtype=torch.int64),
             torch.arange(past, past + n).expand(batch, n).contiguous(), mask.contiguous(),
-            torch.zeros(layers, batch, heads, past, dim), torch.zeros(layers, batch, heads, past, dim))
+            torch.zeros(layers, batch, heads, past, dim, dtype=dtype),
+            torch.zeros(layers, batch, heads, past, dim, dtype=dtype))
 
 
 def export_forward(model: Llama, path: Path, opset: int) -> onnx.ModelProto:

@@ -5,18 +5,23 @@ inline them as standard ops, since it prefers a model's local function to a plug
 register the `tensorrt.plugin` definitions, parse, add one optimization profile over the
 graph's named dynamic dimensions, build, write the plan.
 
-Precision: networks are strongly typed (TensorRT deprecated weak typing in 10.12 and
-removed it in 11, where every network is strongly typed and the STRONGLY_TYPED creation
-flag is deprecated, so it is set only on 10.x), so fp16/bf16/int8 come from the ONNX
-itself (Cast / Q-DQ nodes). `strongly_typed: false` keeps the old builder flags for
-TensorRT 10.x builds of an fp32 graph; TensorRT 11 refuses that with a clear error
-(`check_precision_support`, before any export). Flags are always looked up by name:
-their numbers changed in 11.
+Precision: every network is strongly typed (TensorRT deprecated weak typing in 10.12 and
+removed it in 11, where the STRONGLY_TYPED creation flag is deprecated, so it is set only
+on 10.x): an fp16 or bf16 engine is built from a graph exported in that type (the
+builder casts the model before the export), the same way on every version. TensorRT
+turns `BuilderFlag.TF32` on in every new builder config (NvInfer.h, 10.8 to 11.1: "Enabled
+by default"), which would run fp32 matmuls on 10-bit mantissas; it is cleared for every
+engine, so an fp32 engine computes in fp32 and the fp32 parts of a half-precision graph
+(logits, norm statistics) stay fp32. `builder_flags` is the one statement of the flags:
+the build applies it and the manifest records it. Flags are looked up by name: their
+numbers changed in 11.
 
 Every plugin node is checked against its op's signature before the parser sees it
 (`check_plugin_node`): a node naming fewer or more outputs than the plugin declares
 fails TensorRT's parser (onnx-tensorrt >= 10.6), and an op without a TensorRT plugin
-(GatherKV) cannot be built at all.
+(GatherKV) cannot be built at all. The element type of every plugin input must be one
+the signature lists (`check_plugin_input_types`: a half-precision export must not hand
+the kernels a type they do not read).
 
 TensorRT is imported inside the functions that need it; the ONNX-side helpers here
 (`strip_plugin_functions`, `profile_shapes`, `TensorRTBuildOptions`) work without it.
@@ -32,14 +37,18 @@ import onnx
 from saguaro.plugins.branch_draft.signature import GATHER_SIGNATURE
 from saguaro.plugins.branch_draft.signature import SIGNATURE as BRANCH_DRAFT
 from saguaro.plugins.fused_verify.signature import SIGNATURE as FUSED_VERIFY
+from saguaro.plugins.signature import dtype_of, onnx_type
 from saguaro.plugins.tensorrt_plugins import register_plugins
 from saguaro.plugins.tensorrt_registry import import_tensorrt, tensorrt_version
 
 PLUGIN_DOMAIN = "saguaro"
 PLUGIN_SIGNATURES = {signature.name: signature for signature in (FUSED_VERIFY, BRANCH_DRAFT, GATHER_SIGNATURE)}
-PRECISIONS = ("fp32", "fp16", "bf16", "int8")
-# weak-typing builder flag per precision (TensorRT <= 10.x only)
-_WEAK_TYPING_FLAGS = {"fp16": "FP16", "bf16": "BF16", "int8": "INT8"}
+# precision -> the element type the model's weights and activations are exported in
+EXPORT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+PRECISIONS = tuple(EXPORT_DTYPES)
+# Builder flags every engine is built with, by name. TF32 off: TensorRT turns it on by
+# default. No precision flag: the types are the graph's own (strongly typed).
+BUILDER_FLAGS = {"TF32": False}
 
 
 def iter_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
@@ -73,11 +82,37 @@ def check_plugin_node(node: onnx.NodeProto) -> None:
                              "every one named")
 
 
+def element_types(model: onnx.ModelProto) -> dict[str, int]:
+    """The ONNX element type of every value of the main graph that type inference can tell."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    graph = inferred.graph
+    types = {tensor.name: tensor.data_type for tensor in graph.initializer}
+    for value in (*graph.input, *graph.value_info, *graph.output):
+        if value.type.tensor_type.elem_type:
+            types[value.name] = value.type.tensor_type.elem_type
+    return types
+
+
+def check_plugin_input_types(model: onnx.ModelProto) -> None:
+    """Every input of a plugin node has a type its signature lists (where inference knows
+    it), before TensorRT builds kernels that would read its bytes as another type."""
+    types = element_types(model)
+    for node in model.graph.node:
+        if node.domain != PLUGIN_DOMAIN or node.op_type not in PLUGIN_SIGNATURES:
+            continue
+        for spec, name in zip(PLUGIN_SIGNATURES[node.op_type].inputs, node.input):
+            if name in types and types[name] not in [onnx_type(dtype) for dtype in spec.dtypes]:
+                found = onnx.TensorProto.DataType.Name(types[name]).lower()
+                raise ValueError(f"node {node.name or node.op_type!r}: input {spec.name} ({name!r}) is {found}; "
+                                 f"the {node.op_type} plugin takes {' or '.join(spec.dtypes)}")
+
+
 def strip_plugin_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of `model` whose `saguaro` nodes have no function bodies, only their attributes.
 
     TensorRT's ONNX parser then imports each such node as the plugin named by its op type
-    and `plugin_namespace` / `plugin_version`. Functions of other domains stay.
+    and `plugin_namespace` / `plugin_version`. Functions of other domains stay. Every
+    plugin node is checked first (outputs named, attributes, input types).
     """
     stripped = onnx.ModelProto()
     stripped.CopyFrom(model)
@@ -90,6 +125,7 @@ def strip_plugin_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     # the checker accepts a custom-domain node without a function if its domain is imported
     if not any(opset.domain == PLUGIN_DOMAIN for opset in stripped.opset_import):
         stripped.opset_import.append(onnx.helper.make_opsetid(PLUGIN_DOMAIN, 1))
+    check_plugin_input_types(stripped)
     return stripped
 
 
@@ -99,11 +135,11 @@ DimRange = tuple[int, int, int]
 @dataclass(frozen=True)
 class TensorRTBuildOptions:
     """What `build_engine` needs: ranges (min, opt, max) for each named dynamic dimension of
-    the graph inputs (`batch`, `query`, `past` ...), the precision and the workspace size."""
+    the graph inputs (`batch`, `query`, `past` ...), the precision the graph was exported
+    in and the workspace size."""
 
     dim_ranges: dict[str, DimRange] = field(default_factory=dict)
     precision: str = "fp32"
-    strongly_typed: bool = True
     workspace_bytes: int = 4 << 30
 
     def __post_init__(self):
@@ -116,10 +152,9 @@ class TensorRTBuildOptions:
     @classmethod
     def from_mapping(cls, config: Mapping) -> "TensorRTBuildOptions":
         """From a build config section: `dims: {name: [min, opt, max]}`, `precision`,
-        `strongly_typed`, `workspace_gib`."""
+        `workspace_gib`."""
         dims = {name: tuple(int(v) for v in values) for name, values in config.get("dims", {}).items()}
         return cls(dim_ranges=dims, precision=config.get("precision", "fp32"),
-                   strongly_typed=bool(config.get("strongly_typed", True)),
                    workspace_bytes=int(float(config.get("workspace_gib", 4)) * (1 << 30)))
 
 
@@ -156,34 +191,39 @@ def always_strongly_typed(trt) -> bool:
     return tensorrt_version(trt.__version__) >= (11, 0)
 
 
-def network_flags(trt, options: TensorRTBuildOptions) -> int:
+def network_flags(trt) -> int:
     """Explicit batch is the only mode since TensorRT 10, so the one flag left is typing,
     and only on 10.x (11 deprecates the flag: every network is strongly typed there)."""
-    if options.strongly_typed and not always_strongly_typed(trt):
-        return 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
-    return 0
+    if always_strongly_typed(trt):
+        return 0
+    return 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
 
 
-def check_precision_support(trt, options: TensorRTBuildOptions) -> None:
-    """A weakly typed build (fp16 from an fp32 graph) needs TensorRT 10.x."""
-    if not options.strongly_typed and always_strongly_typed(trt):
-        raise RuntimeError(
-            f"TensorRT {trt.__version__} has no weak typing, so it cannot build {options.precision} engines "
-            "from this exporter's fp32 graphs; use precision fp32, or TensorRT 10.x for fp16 "
-            "(pip install 'tensorrt>=10.8,<11')")
+def apply_builder_flags(trt, builder_config) -> None:
+    """Set or clear each of `BUILDER_FLAGS` on a new builder config."""
+    for name, on in BUILDER_FLAGS.items():
+        flag = getattr(trt.BuilderFlag, name)
+        if on:
+            builder_config.set_flag(flag)
+        else:
+            builder_config.clear_flag(flag)
 
 
-def apply_precision(trt, builder_config, options: TensorRTBuildOptions) -> None:
-    """Weakly typed builds only: allow the requested lower precision by builder flag."""
-    flag = _WEAK_TYPING_FLAGS.get(options.precision)
-    if options.strongly_typed or flag is None:
-        return
-    check_precision_support(trt, options)
-    if not hasattr(trt.BuilderFlag, flag):
-        raise RuntimeError(
-            f"TensorRT {trt.__version__} has no weak typing (BuilderFlag.{flag}); export the ONNX "
-            f"in {options.precision} (Cast or Q/DQ nodes) and build with strongly_typed: true")
-    builder_config.set_flag(getattr(trt.BuilderFlag, flag))
+def manifest_entry(precision: str) -> dict:
+    """What the engine directory's manifest says about how its TensorRT engines were built."""
+    return {"precision": precision, "export_dtype": EXPORT_DTYPES[precision], "strongly_typed": True,
+            "builder_flags": dict(BUILDER_FLAGS)}
+
+
+def check_graph_precision(model: onnx.ModelProto, precision: str) -> None:
+    """The weight matrices of the graph are in the precision the engine is built for (a
+    strongly typed network computes in the types it is given)."""
+    wanted = EXPORT_DTYPES[precision]
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+    found = {dtype_of(t.data_type) for t in model.graph.initializer if t.data_type in floats and len(t.dims) >= 2}
+    if found - {wanted}:
+        raise ValueError(f"graph {model.graph.name!r} holds {'/'.join(sorted(found))} weights; a {precision} "
+                         f"engine needs them exported as {wanted}")
 
 
 def parse_network(trt, network, logger, model: onnx.ModelProto, onnx_path: Path) -> None:
@@ -202,13 +242,14 @@ def build_engine(onnx_path: str | Path, engine_path: str | Path,
     register_plugins()
     onnx_path, engine_path = Path(onnx_path), Path(engine_path)
     model = strip_plugin_functions(onnx.load(str(onnx_path), load_external_data=False))
+    check_graph_precision(model, options.precision)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    network = builder.create_network(network_flags(trt, options))
+    network = builder.create_network(network_flags(trt))
     parse_network(trt, network, logger, model, onnx_path)
     builder_config = builder.create_builder_config()
     builder_config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_bytes)
-    apply_precision(trt, builder_config, options)
+    apply_builder_flags(trt, builder_config)
     shapes = profile_shapes(model, options.dim_ranges)
     if shapes:  # a graph of fixed shapes needs no profile
         profile = builder.create_optimization_profile()

@@ -22,9 +22,12 @@ from dataclasses import dataclass
 import onnx
 from onnx import TensorProto, helper
 
-ONNX_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int64": TensorProto.INT64,
-              "int32": TensorProto.INT32, "int8": TensorProto.INT8, "uint8": TensorProto.UINT8,
-              "bool": TensorProto.BOOL}
+ONNX_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16,
+              "int64": TensorProto.INT64, "int32": TensorProto.INT32, "int8": TensorProto.INT8,
+              "uint8": TensorProto.UINT8, "bool": TensorProto.BOOL}
+# The float types a plugin's score / logits / probability inputs accept: the precisions the
+# TensorRT engines are built in (the OpenAI Triton kernels read each as float32).
+FLOAT_TYPES = ("float32", "float16", "bfloat16")
 # PluginTensorDesc::type: "DataType:kBOOL and DataType::kUINT8 are not supported"
 UNSUPPORTED_PLUGIN_TYPES = ("bool", "uint8")
 # Every node names its plugin this way; TensorRT's parser looks the plugin up by them.

@@ -4,17 +4,21 @@ TensorRT's ONNX parser maps a `saguaro` node whose function body was stripped to
 plugin registered under its op type, `plugin_namespace` and `plugin_version`. Each
 plugin's `tensorrt_plugin.py` builds its `register()` with `registration` below; builds
 and engine loads call `tensorrt_plugins.register_plugins` first (deserialising an engine
-needs the creators too). TensorRT is imported only here, when a registration runs: it installs from
-NVIDIA's index only, and this project imports everywhere without it.
+needs the creators too). TensorRT is imported only here, when a registration runs: its
+libraries install from NVIDIA's index only (PyPI's `tensorrt` fetches them from there), and
+this project imports everywhere without it.
 
 Supported TensorRT: 10.8 (the first with `tensorrt.plugin` size tensors as used here) up
-to 11.x. What changed in 11 and is handled: weak typing is gone (`BuilderFlag.FP16` ...),
-and `NetworkDefinitionCreationFlag.STRONGLY_TYPED` is deprecated because every network is
-strongly typed (see `saguaro.compiler.tensorrt_builder`). 12 is refused until checked.
+to 11.x. What changes within that range and is handled: weak typing is gone in 11 (every
+engine here is strongly typed anyway) and `NetworkDefinitionCreationFlag.STRONGLY_TYPED` is
+deprecated there (see `saguaro.compiler.tensorrt_builder`); before 10.15 `tensorrt.plugin`
+keeps a destroyed expression builder after each shape pass (see the BranchDraft plugin).
+12 is refused until checked.
 """
 from __future__ import annotations
 
-TENSORRT_INSTALL_HINT = "pip install --extra-index-url https://pypi.nvidia.com 'tensorrt>=10.8,<12'"
+TENSORRT_INSTALL_HINT = ("pip install --extra-index-url https://pypi.nvidia.com 'tensorrt>=10.8,<12'; "
+                         "offline: docs/gpu.md")
 SUPPORTED_TENSORRT = ((10, 8), (12, 0))  # [lowest, first unsupported)
 # `tensorrt.plugin` registers every plugin creator under this version.
 QUICKLY_DEPLOYABLE_PLUGIN_VERSION = "1"
@@ -51,6 +55,14 @@ def import_tensorrt():
 def tensorrt_dtype(trt, dtype: str):
     """The `tensorrt.DataType` of a signature's element type name (`int64` -> `trt.int64`)."""
     return getattr(trt, dtype)
+
+
+def check_input_types(trt, signature, descs) -> None:
+    """A plugin's shape function refuses inputs whose type its signature does not list
+    (TensorRT would otherwise hand the kernels bytes of another type)."""
+    for spec, desc in zip(signature.inputs, descs):
+        if desc.dtype not in [tensorrt_dtype(trt, dtype) for dtype in spec.dtypes]:
+            raise TypeError(f"{signature.plugin_id}: {spec.name} must be {' or '.join(spec.dtypes)}, got {desc.dtype}")
 
 
 def check_plugin_version(plugin_version: str) -> None:

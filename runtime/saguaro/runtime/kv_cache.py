@@ -119,10 +119,10 @@ class SlotKVCache:
     padding costs ONNX Runtime nothing)."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, gather_graph=None,
-                 device: str = "cpu"):
+                 device: str = "cpu", dtype: torch.dtype = torch.float32):
         self.dims, self._capacity = (layers, kv_heads, head_dim), capacity
-        region = aligned_length(layers * kv_heads * capacity * head_dim, torch.float32.itemsize)
-        self._slots = torch.zeros(2, 2, region, device=device)  # [slot, k/v, flat]
+        region = aligned_length(layers * kv_heads * capacity * head_dim, dtype.itemsize)
+        self._slots = torch.zeros(2, 2, region, device=device, dtype=dtype)  # [slot, k/v, flat]
         self._live = 0
         self._gather_graph = gather_graph  # runs GatherKV; None: gather with torch
         self.length = 0
@@ -176,7 +176,7 @@ class SlotKVCache:
         """Its memory goes with the object (the TensorRT engine allocates per sequence)."""
 
     def fork(self) -> "SlotKVCache":
-        twin = SlotKVCache(*self.dims, self._capacity, self._gather_graph, self._slots.device)
+        twin = SlotKVCache(*self.dims, self._capacity, self._gather_graph, self._slots.device, self._slots.dtype)
         for source, target in zip(self.live(), twin.view(0, self.length)):
             _copy(target, source)
         twin.length = self.length

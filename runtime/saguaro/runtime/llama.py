@@ -65,8 +65,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(variance + self.eps))
+        # the statistics in float32: a half-precision square overflows at |x| > 255
+        x32 = x.float()
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -148,6 +150,8 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # the float32 tables would promote a half-precision x (and so the KV cache) to float32
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -159,7 +163,12 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     if groups > 1:  # grouped-query attention: each K/V head serves `groups` query heads
         keys = keys.repeat_interleave(groups, dim=1)
         values = values.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(1))
+    mask = mask.unsqueeze(1)
+    if q.dtype != torch.float32:
+        # ONNX's export of a bool mask adds it as float32, which would run a half-precision
+        # attention (and o_proj after it) in float32; an additive mask of q's type does not
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
 UNSCORED = -1e9  # the logit of a token outside a draft's output vocabulary: probability 0
@@ -232,7 +241,7 @@ class Llama(nn.Module):
     def forward_sequence(self, tokens: torch.Tensor) -> torch.Tensor:
         """One sequence from position 0, no cache kept: logits `[n, vocab]` (for checks)."""
         n, (layers, heads, dim) = len(tokens), self.shape.kv_shape
-        empty = torch.zeros(layers, 1, heads, 0, dim)
+        empty = torch.zeros(layers, 1, heads, 0, dim, dtype=self.lm_head.weight.dtype)
         mask = torch.ones(n, n, dtype=torch.bool).tril()
         return self.forward_concat(tokens[None], torch.arange(n)[None], mask[None], empty, empty)[0][0]
 

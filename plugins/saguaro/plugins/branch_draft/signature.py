@@ -14,13 +14,12 @@ calls instead (see `tensorrt_plugin.py`).
 from __future__ import annotations
 
 from saguaro.plugins.branch_draft import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
-from saguaro.plugins.signature import PluginSignature, TensorSpec
+from saguaro.plugins.signature import FLOAT_TYPES, PluginSignature, TensorSpec
 
-FLOATS = ("float32", "float16")
 
 SIGNATURE = PluginSignature(
     name=PLUGIN_NAME, namespace=PLUGIN_NAMESPACE, version=PLUGIN_VERSION,
-    inputs=(TensorSpec("scores", FLOATS, 2),            # [K+1, V]
+    inputs=(TensorSpec("scores", FLOAT_TYPES, 2),       # [K+1, V]
             TensorSpec("draft_tokens", ("int64",), 1),  # [K]
             TensorSpec("fanout", ("int64",), 1),        # [K+1]
             TensorSpec("context_length", ("int64",), 0)),
@@ -35,7 +34,6 @@ SIGNATURE = PluginSignature(
     # TensorRT needs a static bound on B to size the data-dependent outputs.
     attributes=("max_branches",),
 )
-
 
 
 def output_shapes(num_drafts: int, branches: int) -> dict[str, tuple[int, ...]]:
@@ -54,9 +52,9 @@ def extent_values(num_drafts: int, branches: int) -> dict[str, int]:
 GATHER_NAME = "GatherKV"
 GATHER_SIGNATURE = PluginSignature(
     name=GATHER_NAME, namespace=PLUGIN_NAMESPACE, version=PLUGIN_VERSION,
-    inputs=(TensorSpec("cache", FLOATS, 5),             # [layers, batch, heads, S, D]
+    inputs=(TensorSpec("cache", FLOAT_TYPES, 5),        # [layers, batch, heads, S, D]
             TensorSpec("start", ("int64",), 0),
             TensorSpec("source_indices", ("int64",), 1)),
-    outputs=(TensorSpec("compacted", FLOATS, 5),),      # [layers, batch, heads, start + n, D]
+    outputs=(TensorSpec("compacted", FLOAT_TYPES, 5),),  # [layers, batch, heads, start + n, D]
     tensorrt=False,
 )

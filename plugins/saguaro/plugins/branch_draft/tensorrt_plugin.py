@@ -20,15 +20,34 @@ the decorated functions as classes.
 from typing import Tuple
 
 from saguaro.plugins.branch_draft.signature import SIGNATURE
-from saguaro.plugins.tensorrt_registry import DeviceBuffer, registration, tensorrt_dtype
+from saguaro.plugins.tensorrt_registry import DeviceBuffer, check_input_types, registration, tensorrt_dtype
 
 PLUGIN_ID = SIGNATURE.plugin_id
 NUM_OUTPUTS = len(SIGNATURE.outputs)
+SIZE_TENSORS = tuple(spec.name for spec in SIGNATURE.outputs if spec.size_tensor)
 
 
 def register() -> None:
     """Register `saguaro::BranchDraft` with TensorRT (once per process)."""
     _register()
+
+
+def size_tensor_bounds(trtp, drafts, max_branches: int) -> dict:
+    """(opt, upper bound) of each size tensor, B, K*B and K + K*B, as shape expressions
+    of K = `drafts` (builds tune for half the bound; any B up to max_branches runs).
+
+    TensorRT runs the shape function twice. For the output types it passes fake
+    expressions and only the types are read; then no expression may be built from an
+    int: before TensorRT 10.15, `tensorrt.plugin` keeps the expression builder of the
+    last shape pass in a class attribute, which TensorRT destroyed when that pass
+    returned, and `ShapeExpr(int)` would call into it. So while K is fake the bounds
+    are K itself (fake too); constants are made only in the shape pass."""
+    if drafts.is_fake:
+        return {name: (drafts, drafts) for name in SIZE_TENSORS}
+    typical = max(1, max_branches // 2)
+    return {"branches": (trtp.ShapeExpr(typical), trtp.ShapeExpr(max_branches)),
+            "mask_rows": (drafts * typical, drafts * max_branches),
+            "mask_cols": (drafts + drafts * typical, drafts + drafts * max_branches)}
 
 
 def _define_plugin(trt, trtp) -> None:
@@ -37,13 +56,12 @@ def _define_plugin(trt, trtp) -> None:
         scores: trtp.TensorDesc, draft_tokens: trtp.TensorDesc, fanout: trtp.TensorDesc,
         context_length: trtp.TensorDesc, max_branches: int,
     ) -> Tuple[(trtp.TensorDesc,) * NUM_OUTPUTS]:
+        check_input_types(trt, SIGNATURE, (scores, draft_tokens, fanout, context_length))
         drafts = draft_tokens.shape_expr[0]
-        # builds tune for half the bound; any B up to max_branches runs
-        typical = max(1, max_branches // 2)
-        sizes = {"branches": trtp.size_tensor(trtp.ShapeExpr(typical), trtp.ShapeExpr(max_branches)),
-                 "mask_rows": trtp.size_tensor(drafts * typical, drafts * max_branches),
-                 "mask_cols": trtp.size_tensor(drafts + drafts * typical, drafts + drafts * max_branches)}
-        branches, rows, cols = (sizes[name].expr() for name in ("branches", "mask_rows", "mask_cols"))
+        sizes = {name: trtp.size_tensor(opt, bound)
+                 for name, (opt, bound) in size_tensor_bounds(trtp, drafts, max_branches).items()}
+        # a size tensor's expression takes part in no arithmetic (tensorrt.plugin raises)
+        branches, rows, cols = (sizes[name].expr() for name in SIZE_TENSORS)
         shapes = {"depth": (branches,), "token": (branches,), "rank": (branches,), "positions": (drafts, branches),
                   "window_mask": (rows, cols)}
         outputs = []

@@ -17,7 +17,7 @@ the decorated functions as classes (TensorDesc, Tensor), not strings.
 from typing import Tuple
 
 from saguaro.plugins.fused_verify.signature import SIGNATURE
-from saguaro.plugins.tensorrt_registry import registration, tensorrt_dtype
+from saguaro.plugins.tensorrt_registry import check_input_types, registration, tensorrt_dtype
 
 PLUGIN_ID = SIGNATURE.plugin_id
 NUM_OUTPUTS = len(SIGNATURE.outputs)
@@ -35,12 +35,10 @@ def _define_plugin(trt, trtp) -> None:
         uniforms: trtp.TensorDesc, temperature: trtp.TensorDesc, top_k: trtp.TensorDesc,
         top_p: trtp.TensorDesc,
     ) -> Tuple[(trtp.TensorDesc,) * NUM_OUTPUTS]:
-        """Two 0-d int64 outputs, accepted and bonus, whatever K and V are."""
-        given = (target_logits, draft_tokens, draft_probs, uniforms, temperature, top_k, top_p)
-        for spec, desc in zip(SIGNATURE.inputs, given):
-            allowed = [tensorrt_dtype(trt, dtype) for dtype in spec.dtypes]
-            if desc.dtype not in allowed:
-                raise TypeError(f"{PLUGIN_ID}: {spec.name} must be {' or '.join(spec.dtypes)}, got {desc.dtype}")
+        """Two 0-d int64 outputs, accepted and bonus, whatever K and V are (no shape
+        expression is built, so this is safe while TensorRT's shapes are still fake)."""
+        check_input_types(trt, SIGNATURE, (target_logits, draft_tokens, draft_probs, uniforms, temperature, top_k,
+                                           top_p))
         return tuple(trtp.from_shape_expr((), dtype=tensorrt_dtype(trt, spec.dtype)) for spec in SIGNATURE.outputs)
 
     @trtp.impl(PLUGIN_ID)

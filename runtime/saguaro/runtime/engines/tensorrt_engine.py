@@ -40,8 +40,8 @@ from saguaro.runtime.kv_cache import VIEW_ALIGNMENT_BYTES, SlotKVCache, aligned_
 
 
 def torch_dtype(trt, dtype) -> torch.dtype:
-    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int64: torch.int64,
-             trt.int32: torch.int32, trt.int8: torch.int8, trt.bool: torch.bool}
+    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
+             trt.int64: torch.int64, trt.int32: torch.int32, trt.int8: torch.int8, trt.bool: torch.bool}
     return table[dtype]
 
 
@@ -147,12 +147,15 @@ class TensorRTEngine(OneSequenceForms):
         self.trt, self.graphs, self.info, self.tokenizer, self.limits = trt, graphs, info, tokenizer, info.limits
         self.kv_dims = (shape["num_layers"], shape["num_kv_heads"], shape["head_dim"])
         self.vocab_size = shape["vocab_size"]
+        # the engines' own types: the cache is in the precision built, logits are float32
+        forward = graphs["forward"]
+        self.cache_dtype, self.logits_dtype = forward.dtype("past_keys"), forward.dtype("logits")
 
     def new_cache(self, capacity: int) -> SlotKVCache:
         """Commits gather with torch on the device (no GatherKV engine: see the plugin's notes)."""
         if capacity > self.limits.max_cache_entries:
             raise ValueError(f"cache capacity {capacity} exceeds the engines' {self.limits.max_cache_entries} entries")
-        return SlotKVCache(*self.kv_dims, capacity, device="cuda")
+        return SlotKVCache(*self.kv_dims, capacity, device="cuda", dtype=self.cache_dtype)
 
     def _step_io(self, cache, tokens, positions, mask):
         past, count = cache.length, len(tokens)
@@ -164,7 +167,7 @@ class TensorRTEngine(OneSequenceForms):
                   "attention_mask": _device(mask, torch.bool)[None]}
         inputs.update(zip(("past_keys", "past_values"), cache.live()))
         outputs = dict(zip(("present_keys", "present_values"), cache.spare(past + count)))
-        outputs["logits"] = torch.empty(1, count, self.vocab_size, device="cuda")
+        outputs["logits"] = torch.empty(1, count, self.vocab_size, device="cuda", dtype=self.logits_dtype)
         return inputs, outputs, past + count
 
     def forward_batch(self, steps: Sequence[Step]) -> list[torch.Tensor]:

@@ -26,8 +26,9 @@ no top-p: it passes T * log q, and TensorRT-LLM takes softmax(logits / T)); else
 fall back to exact match against the target's own samples, which keeps the target's
 distribution but accepts less. The README's TensorRT-LLM section has the rest.
 
-`tensorrt_llm` is imported only when a target starts (GPU machines); everything else here
-runs and is tested without it, against a stand-in of the API surface used.
+`tensorrt_llm` is imported only when a target starts (GPU machines), through
+`tensorrt_llm_api`, the one place that knows how the admitted versions differ; everything
+else here runs and is tested without it, against stand-ins of each version's API surface.
 """
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ from saguaro.runtime.contracts import Draft, EngineInfo, VerifyResult, draft_cac
 from saguaro.runtime.decoding import Generation, Output, Request, finish
 from saguaro.runtime.engines import BACKEND_MODULES, load_draft_engine
 from saguaro.runtime.engines.manifest import ManifestError, engine_info, sha256_file
+from saguaro.runtime.engines.tensorrt_llm_api import TensorRTLLMApi, import_tensorrt_llm, request_sampling
 from saguaro.runtime.engines.tensorrt_llm_settings import TensorRTLLMSettings
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.rounds import DraftRounds
@@ -53,36 +54,12 @@ from saguaro.runtime.sampling import SamplingParams
 from saguaro.runtime.speculator import Speculator
 from saguaro.runtime.stats import GenerationStats
 
-TENSORRT_LLM_INSTALL_HINT = ("pip install tensorrt_llm (CUDA GPU machines; see NVIDIA's TensorRT-LLM "
-                             "installation guide)")
-DRAFTER_MODULE = "saguaro.runtime.engines.tensorrt_llm_drafter"
 # The decoding knobs the drafter is built with; one started target serves only these.
 FIXED_OPTIONS = ("mode", "num_draft_tokens", "fanout", "budget", "saguaro_factor", "prespeculate")
 REPORTS_KEPT = 4096  # finished requests whose drafter figures a caller may still collect
 
 
 # --- the drafter -----------------------------------------------------------------------
-
-def _first(values, default):
-    """TensorRT-LLM's sampling config holds each parameter as None or a one-element list."""
-    return default if not values else values[0]
-
-
-def request_sampling(sampling_config) -> SamplingParams:
-    """Our `SamplingParams` for a TensorRT-LLM request's sampling config, with its greedy
-    rule (`SamplingParams.params_imply_greedy_decoding`): temperature 0, top-k 1, top-p 0,
-    or nothing set."""
-    temperature = _first(sampling_config.temperature, None)
-    top_k, top_p = _first(sampling_config.top_k, None), _first(sampling_config.top_p, None)
-    seed = _first(getattr(sampling_config, "random_seed", None), None)
-    seed = None if seed is None else int(seed)
-    greedy = (temperature is None and top_k is None and top_p is None) or temperature == 0 or top_k == 1 \
-        or top_p == 0
-    if greedy:
-        return SamplingParams(seed=seed)
-    return SamplingParams(temperature=float(temperature or 1.0), top_k=int(top_k or 0),
-                          top_p=float(1.0 if top_p is None else top_p), seed=seed)
-
 
 def sampling_arguments(sampling: SamplingParams, max_tokens: int, eos_token_id: int | None) -> dict:
     """`tensorrt_llm.SamplingParams` keywords for a request (`request_sampling` inverts it)."""
@@ -248,33 +225,6 @@ def _device() -> str:
 
 
 # --- the target --------------------------------------------------------------------------
-
-def import_tensorrt_llm():
-    """TensorRT-LLM's API (and our drafter classes built on it), or an ImportError saying how
-    to get it."""
-    try:
-        import tensorrt_llm
-        from tensorrt_llm import LLM, SamplingParams as LlmSamplingParams
-        from tensorrt_llm.llmapi import KvCacheConfig, UserProvidedDecodingConfig
-    except ImportError as error:
-        raise ImportError(f"the tensorrt_llm target needs TensorRT-LLM with its PyTorch backend "
-                          f"({TENSORRT_LLM_INSTALL_HINT}): {error}") from error
-    drafter = importlib.import_module(DRAFTER_MODULE)  # subclasses TensorRT-LLM's Drafter
-    return TensorRTLLMApi(tensorrt_llm.__version__, LLM, LlmSamplingParams, KvCacheConfig,
-                          UserProvidedDecodingConfig, drafter.TensorRTLLMDrafter)
-
-
-@dataclass(frozen=True)
-class TensorRTLLMApi:
-    """The parts of TensorRT-LLM the target uses."""
-
-    version: str
-    LLM: type
-    SamplingParams: type
-    KvCacheConfig: type
-    UserProvidedDecodingConfig: type
-    Drafter: type
-
 
 class TensorRTLLMTarget:
     """A target checkpoint run by TensorRT-LLM's `LLM`, with `SsdDrafter` as its drafter.
