@@ -117,16 +117,22 @@ class Service:
             self.process.kill()
             self.process.wait()
 
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
-        """SIGTERM, then SIGKILL if it has not exited in time; its exit code (None if killed)."""
+    def terminate(self) -> None:
+        """SIGTERM: a worker drains, the frontend stops taking requests."""
         self.stopped = True
         if self.running:
             self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM, then SIGKILL if it has not exited in time; its exit code (None if killed)."""
+        if self.running:
+            self.terminate()
             try:
                 return self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
                 return None
+        self.stopped = True
         return None if self.process is None else self.process.returncode
 
 
@@ -140,6 +146,13 @@ class Worker:
 
     def counter(self, name: str, **labels) -> float:
         return metric(self.metrics(), name, **labels)
+
+    def instance_id(self) -> int | None:
+        """Its discovery instance (None until its status server answers)."""
+        try:
+            return int(get_json(f"http://{HOST}:{self.system_port}/engine/instance")["instance_id"])
+        except (OSError, ValueError, KeyError):
+            return None
 
 
 @dataclass
@@ -178,7 +191,7 @@ class LocalCluster:
                 self.env, self.run_dir / "frontend.log").start()
             for _ in range(self.workers):
                 self.start_worker()
-            self.wait_ready(self.workers, ready_timeout_s)
+            self.wait_ready(ready_timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -197,16 +210,23 @@ class LocalCluster:
         self.members.append(worker)
         return worker
 
+    def frontend_counter(self, name: str) -> float:
+        """A counter of the frontend's `/metrics`, summed over its label sets (0 if none)."""
+        text = get_text(f"http://{HOST}:{self.http_port}/metrics")
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "))
+
     def live_workers(self) -> list[Worker]:
         return [worker for worker in self.members if worker.service.running]
 
-    def instances(self) -> int:
-        """Worker instances the frontend knows of (0 while it is not up)."""
+    def instances(self) -> set[int]:
+        """The worker instances the frontend knows of (none while it is not up); a killed
+        worker stays among them until its discovery lease lapses (about 10 s)."""
         try:
             health = get_json(f"http://{HOST}:{self.http_port}/health")
         except (OSError, ValueError):
-            return 0
-        return len(health.get("instances", []))
+            return set()
+        return {int(instance["instance_id"]) for instance in health.get("instances", [])}
 
     def serves_model(self) -> bool:
         try:
@@ -215,17 +235,20 @@ class LocalCluster:
             return False
         return any(entry.get("id") == self.model_name for entry in models.get("data", []))
 
-    def wait_ready(self, workers: int, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Until the frontend lists the model and knows exactly `workers` instances."""
+    def ready(self) -> bool:
+        """The frontend lists the model and knows every live worker's instance."""
+        ids = [worker.instance_id() for worker in self.live_workers()]
+        return None not in ids and set(ids) <= self.instances() and self.serves_model()
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
-        while not (self.serves_model() and self.instances() == workers):
+        while not self.ready():
             for service in [self.frontend] + [worker.service for worker in self.members]:
                 if service.failed:
                     raise RuntimeError(f"{service.name} exited with code {service.process.returncode}:\n"
                                        f"{service.log_tail()}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the cluster was not ready after {timeout_s:.0f} s ({self.instances()} of "
-                                   f"{workers} workers known to the frontend):\n{self.frontend.log_tail()}")
+                raise RuntimeError(f"the cluster was not ready after {timeout_s:.0f} s:\n{self.frontend.log_tail()}")
             time.sleep(0.25)
 
     def stop(self) -> dict[str, int | None]:

@@ -286,6 +286,14 @@ def runtime_config(pipeline: Pipeline) -> "ModelRuntimeConfig":
     return config
 
 
+def instance_route(endpoint, model_name: str):
+    """`GET /engine/instance` on the status server: which discovery instance this process
+    is, so that a launcher can tell when the frontend knows this very worker."""
+    async def describe(_body: dict) -> dict:
+        return {"instance_id": endpoint.connection_id(), "model": model_name}
+    return describe
+
+
 def model_types(pipeline: Pipeline, chat_template: Path | None):
     if chat_template is not None or has_chat_template(pipeline.tokenizer):
         return ModelType.Chat | ModelType.Completions
@@ -304,6 +312,7 @@ async def serve(args: argparse.Namespace, source: ModelSource, defaults, pipelin
                          metrics, args.max_queue)
     await register_model(ModelInput.Tokens, model_types(pipeline, args.chat_template), endpoint, str(card),
                          args.model_name, worker_type=WorkerType.Aggregated, runtime_config=runtime_config(pipeline))
+    runtime.register_engine_route("instance", instance_route(endpoint, args.model_name))
     shutdown = Shutdown(runtime, endpoint, handler.generations, args.drain_timeout, args.shutdown_grace)
     for stop_signal in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(stop_signal, shutdown.request, stop_signal)
