@@ -132,6 +132,24 @@ class InFlight:
         return self.results
 
 
+def test_the_dynamo_extra_and_the_install_script_give_ai_dynamo_everything_it_declares_but_aisimulate():
+    """What scripts/install_dynamo.sh installed (the `dynamo` extra, then ai-dynamo with
+    --no-deps) covers ai-dynamo's own dependency list, less the placeholder package."""
+    import importlib.metadata
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    ours = {Requirement(text).name.lower() for text in project["dependencies"] + project["optional-dependencies"]["dynamo"]}
+    declared = [Requirement(text) for text in importlib.metadata.requires("ai-dynamo")]
+    needed = {req.name.lower() for req in declared if not (req.marker and "extra" in str(req.marker))} - {"aisimulate"}
+    assert needed <= ours, needed - ours
+    assert importlib.metadata.version("ai-dynamo") == importlib.metadata.version("ai-dynamo-runtime") == "1.6.1"
+    assert importlib.util.find_spec("aisimulate") is None  # not needed to serve
+
+
 def test_the_openai_client_streams_a_chat_answer_equal_to_the_runtimes(cluster, runtime):
     client = openai_client(cluster)
     stream = client.chat.completions.create(model="long", messages=[{"role": "user", "content": QUESTION}],
@@ -224,3 +242,16 @@ def test_without_migration_a_dead_workers_requests_end_with_an_error(served_engi
         results = in_flight.wait()
     assert all(result["error"] is not None for result in results), results  # never a silent, short answer
     assert all(result["finish_reason"] is None for result in results)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--system-port", "40000"], "--system-port must be in 1..32767"),
+    (["--chat-template", "/no/such/template.jinja"], "--chat-template /no/such/template.jinja: no such file"),
+    (["--drain-timeout", "-1"], "--drain-timeout must be >= 0"),
+    (["--num-draft-tokens", "99"], "--num-draft-tokens 99 exceeds the engines' built maximum"),
+])
+def test_the_worker_refuses_a_bad_flag_naming_it_before_loading(tiny_engines, flags, named, capsys):
+    from saguaro.serving.dynamo_worker import main
+
+    assert main(["--engines", str(tiny_engines), *flags]) == 2
+    assert named in capsys.readouterr().err

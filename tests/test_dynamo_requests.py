@@ -150,3 +150,14 @@ def test_the_worker_metrics_count_rounds_drafts_and_requests():
     assert metric(text, "ssd_requests_total", finish_reason="rejected") == 1
     assert metric(text, "ssd_requests_in_flight") == 0 and metric(text, "ssd_requests_queued") == 1
     assert metric(text, "ssd_batch_size_count") == 1 and metric(text, "ssd_batch_size_sum") == 2
+
+
+def test_the_projection_multiplies_the_one_worker_figure_and_ignores_other_cluster_sizes():
+    from saguaro.serving.dynamo_bench import Level, projection
+
+    def level(workers, streams, rate):
+        return Level(workers, streams, 8, 512, 1.0, rate, rate / workers, 10.0, 1.0, [8] * workers, 0.5)
+
+    rows = projection([level(1, 1, 100.0), level(1, 4, 250.0), level(2, 4, 260.0)], (1, 4))
+    assert rows == [{"streams_per_worker": 1, "1_workers": 100.0, "4_workers": 400.0},
+                    {"streams_per_worker": 4, "1_workers": 250.0, "4_workers": 1000.0}]
