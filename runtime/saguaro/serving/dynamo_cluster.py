@@ -27,9 +27,11 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from saguaro.runtime.bench import PROMPTS
 from saguaro.serving.dynamo_worker import MAX_SYSTEM_PORT
 from saguaro.serving.guarded_exec import set_parent_death_signal
 from saguaro.serving.served_metrics import metric
@@ -282,8 +284,6 @@ def stream_chat(client, model: str, question: str, max_tokens: int) -> str:
 
 def burst(client, model: str, prompts: list[str], max_tokens: int) -> list[str]:
     """Completions sent all at once, one thread each."""
-    from concurrent.futures import ThreadPoolExecutor
-
     def complete(prompt: str) -> str:
         return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0
                                          ).choices[0].text
@@ -304,8 +304,6 @@ def print_counters(cluster: LocalCluster) -> None:
 
 def demo(cluster: LocalCluster, question: str, max_tokens: int, requests: int) -> None:
     import openai
-
-    from saguaro.runtime.bench import PROMPTS
 
     client = openai.OpenAI(base_url=cluster.url, api_key="not-needed")
     print(f"chat: {question}")
