@@ -389,6 +389,8 @@ def main(argv=None) -> int:
         return 2
     if args.system_port is not None:
         os.environ["DYN_SYSTEM_PORT"] = str(args.system_port)  # read by the runtime when it starts
+    # `/health` is ready once the endpoint serves (else it stays "notready" for good)
+    os.environ.setdefault("DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS", json.dumps([args.endpoint]))
     configure_dynamo_logging()
     pipeline = Pipeline.load(engines=source.engines_dir, target=source.target_dir, draft=source.draft_dir,
                              batching=args.batching, max_concurrency=args.max_concurrency)
