@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.dynamo, pytest.mark.skipif(importlib.util.find_spec("d
 CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 QUESTION = "The with statement"
-LONG = 600  # tokens: seconds of the tiny model on a busy machine, long enough to be cut by a kill or a stop
+LONG = 1200  # tokens: seconds of the tiny model on a busy machine, long enough to be cut by a kill or a stop
 
 
 @pytest.fixture(scope="module")
