@@ -46,11 +46,14 @@ def runtime(served_engines):
         yield pipeline
 
 
-def start_cluster(engines, run_dir, workers: int, migration_limit: int, chat_template):
+def start_cluster(engines, run_dir, workers: int, migration_limit: int, chat_template, drain_timeout_s: float = 30,
+                  grace_s: float = 1.0):
     from saguaro.serving.dynamo_cluster import LocalCluster
 
     return LocalCluster(engines, run_dir, workers, migration_limit=migration_limit,
-                        worker_flags=["--chat-template", str(chat_template), "--drain-timeout", "30"]).start()
+                        worker_flags=["--chat-template", str(chat_template),
+                                      "--drain-timeout", str(drain_timeout_s), "--shutdown-grace", str(grace_s)]
+                        ).start()
 
 
 @pytest.fixture(scope="module")
@@ -235,13 +238,24 @@ def test_sigterm_drains_a_worker_while_the_other_takes_new_requests(cluster, run
     assert report and '"stopped_at_deadline": 0' in report.group(1) and '"in_flight": 0' not in report.group(1)
 
 
-def test_without_migration_a_dead_workers_requests_end_with_an_error(served_engines, tmp_path, chat_template):
-    with start_cluster(served_engines, tmp_path, 1, 0, chat_template) as alone:
+def test_without_migration_a_stopped_or_dead_workers_requests_end_with_an_error(served_engines, tmp_path,
+                                                                              chat_template):
+    """One worker, no migration, a drain deadline shorter than the generations: a SIGTERM
+    cuts them at the deadline (EngineShutdown, exit code 3), a kill cuts them at once; the
+    client hears of it either way, never a silent, short answer."""
+    with start_cluster(served_engines, tmp_path, 1, 0, chat_template, drain_timeout_s=0.2, grace_s=0) as alone:
         in_flight = InFlight(alone, 2)
-        alone.members[0].service.kill()
-        results = in_flight.wait()
-    assert all(result["error"] is not None for result in results), results  # never a silent, short answer
-    assert all(result["finish_reason"] is None for result in results)
+        alone.members[0].service.terminate()
+        cut = in_flight.wait()
+        assert alone.members[0].service.process.wait(60) == 3
+        assert '"stopped_at_deadline": 2' in alone.members[0].service.log_path.read_text()
+        alone.start_worker()
+        alone.wait_ready()
+        in_flight = InFlight(alone, 2)
+        alone.members[1].service.kill()
+        killed = in_flight.wait()
+    assert all(result["error"] is not None and result["finish_reason"] is None for result in cut + killed), \
+        cut + killed
 
 
 @pytest.mark.parametrize("flags, named", [
