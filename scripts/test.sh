@@ -4,5 +4,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/bootstrap.sh"
+# NVIDIA Dynamo for the tests of the Dynamo worker and cluster (tests/test_dynamo*.py); kept
+# out of bootstrap.sh, which the quickstart shares.
+bash "$ROOT/scripts/install_dynamo.sh"
 cd "$ROOT"
 exec python -m pytest -q "$@"

@@ -176,16 +176,20 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"requests waiting beyond those; more are refused (default {DEFAULT_MAX_QUEUE})")
 
 
-def values_from_args(args: argparse.Namespace) -> dict[str, str]:
-    """Checked template values for parsed flags; ValueError names the flag at fault."""
+def source_from_args(args: argparse.Namespace) -> ModelSource:
+    """The models `add_source_arguments`' flags name; ValueError names the flag at fault."""
     if args.engines is not None:
         if args.target or args.draft:
             raise ValueError("give --engines or --target/--draft, not both")
-        source = source_from_engines(args.engines)
-    elif args.target is not None and args.draft is not None:
-        source = source_from_checkpoints(args.target, args.draft)
-    else:
-        raise ValueError("give --engines DIR, or both --target DIR and --draft DIR")
+        return source_from_engines(args.engines)
+    if args.target is not None and args.draft is not None:
+        return source_from_checkpoints(args.target, args.draft)
+    raise ValueError("give --engines DIR, or both --target DIR and --draft DIR")
+
+
+def values_from_args(args: argparse.Namespace) -> dict[str, str]:
+    """Checked template values for parsed flags; ValueError names the flag at fault."""
+    source = source_from_args(args)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.max_queue < 0:
