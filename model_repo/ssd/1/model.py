@@ -20,9 +20,11 @@ Shutdown: a drain request from the launcher (`control` = "drain", see
 saguaro/serving/lifecycle.py) makes this model refuse new generations, wait for the running
 ones until the deadline, stop the rest (finish reason "shutdown") and answer with a report.
 """
+import json
 import os
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -31,7 +33,7 @@ import triton_python_backend_utils as pb_utils
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.serving import lifecycle
 from saguaro.serving import requests as serving
-from saguaro.serving.responses import start_request
+from saguaro.serving.responses import Timing, start_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Tokens per second of one request; a tiny model on CPU reaches the thousands.
@@ -73,9 +75,39 @@ def polled(check, every_s: float):
     return poll
 
 
-def send_arrays(sender, arrays: dict, final: bool) -> None:
-    tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items()]
-    sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
+class Replies:
+    """One Triton request's response sender, shared by the prompts of a batched request:
+    only the last prompt's final response closes it (FINAL). Each response carries only
+    the outputs the request asked for (an ensemble step asks for those it maps; a direct
+    client for its own), so a direct client pays for no tensor it does not read. A
+    non-decoupled model answers each request exactly once: everything but the final
+    response is left out."""
+
+    def __init__(self, request, sender, items: int, decoupled: bool):
+        self.sender = sender
+        self.wanted = set(request.requested_output_names())
+        self.open, self.decoupled, self.lock = items, decoupled, threading.Lock()
+
+    def send(self, arrays: dict, final: bool) -> None:
+        if not final and not self.decoupled:
+            return
+        with self.lock:
+            closing = final and self.open == 1
+            self.open -= final
+            tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items()
+                       if not self.wanted or name in self.wanted]
+            self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if closing else 0)
+
+    def error(self, message: str, code) -> None:
+        """One prompt's error; the request closes with it if no other prompt is open."""
+        with self.lock:
+            closing = self.open <= 1
+            self.open -= 1
+            try:
+                self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)),
+                                 flags=FINAL if closing else 0)
+            except Exception as failure:  # noqa: BLE001 - e.g. the final response already went out
+                pb_utils.Logger.log_error(f"could not report '{message}': {failure}")
 
 
 class SsdMetrics:
@@ -177,6 +209,9 @@ class TritonPythonModel:
         self.pipeline.observe_rounds(lambda batch: self.metrics.observe_round(batch, self.pipeline.queued))
         self.generations = lifecycle.Generations()
         self.control_token = os.environ.get(lifecycle.CONTROL_TOKEN_ENV)
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
+        # for requests sent as text_input
+        self.codec = serving.TextCodec(parameters["tokenizer_dir"]) if parameters.get("tokenizer_dir") else None
 
     def execute(self, requests):
         for request in requests:
@@ -193,10 +228,10 @@ class TritonPythonModel:
         if get("control") is not None:
             self.control(get, sender)
             return
+        arrival = Timing()
         try:
-            parsed = serving.parse_request(get, self.defaults, self.limits)
-            self.pipeline.check_request(parsed.prompt_ids, parsed.options, serving.INPUT_NAMES)
-            live = self.generations.start()
+            items = self.parse(get)
+            lives = [self.generations.start() for _ in items]
         except ValueError as error:  # RequestError, or a value the options reject
             self.metrics.count_request("rejected")
             send_error(sender, str(error), pb_utils.TritonError.INVALID_ARG)
@@ -205,42 +240,56 @@ class TritonPythonModel:
             self.metrics.count_request("refused_shutting_down")
             send_error(sender, str(error), pb_utils.TritonError.UNAVAILABLE)
             return
-        if self.pipeline.queued >= self.max_queue:
-            self.generations.end(live.generation_id)
+        if self.pipeline.queued + len(items) > self.max_queue:
+            for live in lives:
+                self.generations.end(live.generation_id)
             self.metrics.count_request("refused_queue_full")
-            send_error(sender, f"the server has {self.max_queue} requests waiting already; try again later",
-                       pb_utils.TritonError.UNAVAILABLE)
+            send_error(sender, f"the server has {self.max_queue} requests waiting "
+                       "already; try again later", pb_utils.TritonError.UNAVAILABLE)
             return
-        self.metrics.change_in_flight(1)
-        self.generate(request, sender, parsed, live)
+        replies = Replies(request, sender, len(items), self.decoupled)
+        for parsed, live in zip(items, lives):
+            self.metrics.change_in_flight(1)
+            self.generate(request, replies, parsed, live, replace(arrival))
 
-    def generate(self, request, sender, parsed, live) -> None:
-        """Queue the request with the scheduler; every path ends it with FINAL."""
+    def parse(self, get) -> list:
+        """Every prompt of the request, checked before any starts (RequestError names the input)."""
+        items = serving.parse_batch(get, self.defaults, self.limits, self.codec.encode if self.codec else None)
+        if not self.decoupled and (len(items) > 1 or any(item.stream for item in items)):
+            raise serving.RequestError("input 'stream' true and batched requests need the decoupled model "
+                                       "(decoupled_mode true): this server answers each request once")
+        for item in items:
+            self.pipeline.check_request(item.prompt_ids, item.options, serving.INPUT_NAMES)
+        return items
+
+    def generate(self, request, replies, parsed, live, timing) -> None:
+        """Queue one prompt with the scheduler; every path ends it with a final response."""
         id_array = np.array([[live.generation_id]], dtype=np.uint64)
         client_cancelled = polled(request.is_cancelled, CANCEL_POLL_S)  # when called directly
         try:
             outcome = start_request(
                 self.pipeline, parsed,
-                lambda arrays, final: send_arrays(sender, {**arrays, "generation_id": id_array}, final),
-                stop_reason=stop_reason(live, client_cancelled))
+                lambda arrays, final: replies.send({**arrays, "generation_id": id_array}, final),
+                stop_reason=stop_reason(live, client_cancelled),
+                decode=self.codec.decode if parsed.text else None, timing=timing)
         except Exception as error:  # noqa: BLE001 - refused before it was queued
-            self.failed(sender, live, error)
+            self.failed(replies, live, error)
             return
-        outcome.add_done_callback(lambda done: self.ended(sender, live, done))
+        outcome.add_done_callback(lambda done: self.ended(replies, live, done))
 
-    def ended(self, sender, live, done) -> None:
+    def ended(self, replies, live, done) -> None:
         """In the scheduler's thread, once the final response went out (or failed)."""
         error = done.exception()
         if error is not None:
-            self.failed(sender, live, error)
+            self.failed(replies, live, error)
             return
         self.metrics.record(done.result())
         self.generations.end(live.generation_id)
         self.metrics.change_in_flight(-1)
 
-    def failed(self, sender, live, error: BaseException) -> None:
+    def failed(self, replies, live, error: BaseException) -> None:
         self.metrics.count_request("failed")
-        send_error(sender, f"generation failed: {type(error).__name__}: {error}", pb_utils.TritonError.INTERNAL)
+        replies.error(f"generation failed: {type(error).__name__}: {error}", pb_utils.TritonError.INTERNAL)
         self.generations.end(live.generation_id)
         self.metrics.change_in_flight(-1)
 
