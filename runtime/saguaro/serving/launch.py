@@ -357,12 +357,13 @@ def default_model_name(values: dict[str, str]) -> str:
     return Path(values["engines_dir"] or values["target_dir"]).name
 
 
-def start_openai(values: dict[str, str], server: TritonServer, host: str, port: int, name: str):
+def start_openai(values: dict[str, str], server: TritonServer, host: str, port: int, name: str,
+                 chat_template: str | None = None):
     """The OpenAI-compatible front end, talking to `server`'s gRPC endpoint."""
     from saguaro.serving.openai_server import FrontEnd, OpenAIServer, ServedModel  # FastAPI only when asked for
     from saguaro.serving.ssd_stream import SsdStream
 
-    model = ServedModel.load(name, Path(values["tokenizer_dir"]), int(values["max_context"]))
+    model = ServedModel.load(name, Path(values["tokenizer_dir"]), int(values["max_context"]), chat_template)
     front = FrontEnd(model, SsdStream(f"{server.address}:{server.ports.grpc}"))
     return OpenAIServer(front, host, port).start()
 
@@ -407,6 +408,15 @@ def summary(cause: str, report: StopReport) -> str:
     return f"stopped ({cause}) in {report.seconds:.1f} s: {drained}; {ending}"
 
 
+def read_chat_template(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text()
+    except OSError as error:
+        raise ValueError(f"--chat-template {path}: {error.strerror}") from None
+
+
 def ready_line(args: argparse.Namespace, server: TritonServer, openai) -> str:
     host = server.host
     line = (f"ready: model 'ensemble' on gRPC {host}:{args.grpc_port}, HTTP {host}:{args.http_port}, "
@@ -430,6 +440,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="port of the OpenAI-compatible HTTP API (/v1/chat/completions ...); 0: off (default)")
     parser.add_argument("--served-model-name",
                         help="the model's name in the OpenAI API (default: the engine folder's name)")
+    parser.add_argument("--chat-template", type=Path, metavar="FILE",
+                        help="a Jinja chat template for the OpenAI API's chat endpoint, instead of the model's own")
     parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S, metavar="S",
                         help="on a stop, how long requests in flight may run on before they are cut short")
     parser.add_argument("--run-dir", type=Path, help="default: .triton/<grpc port> in the current directory")
@@ -444,6 +456,7 @@ def main(argv=None) -> int:
         if not 0 <= args.openai_port < 65536:
             raise ValueError(f"--openai-port must be a port number (0: off), got {args.openai_port}")
         check_host(args.host)
+        chat_template = read_chat_template(args.chat_template)
         values = values_from_args(args)
     except ValueError as error:
         print(f"serve: {error}", file=sys.stderr)
@@ -462,7 +475,8 @@ def main(argv=None) -> int:
         return 0
     try:
         openai = start_openai(values, server, args.host, args.openai_port,
-                              args.served_model_name or default_model_name(values)) if args.openai_port else None
+                              args.served_model_name or default_model_name(values),
+                              chat_template) if args.openai_port else None
     except (RuntimeError, OSError) as error:
         print(f"serve: {error}", file=sys.stderr)
         server.stop(drain_timeout_s=None)

@@ -206,15 +206,15 @@ def sampling_values(request: CommonRequest) -> dict:
     return dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=request.seed, knobs=knobs)
 
 
-def check_fits(prompt_ids: list[int], max_tokens: int | None, param: str, max_context: int) -> int:
+def check_fits(prompt_ids: list[int], max_tokens: int | None, param: str, max_context: int,
+               prompt_param: str = "prompt") -> int:
     """The prompt must leave room in the context (413 otherwise); `max_tokens` defaults to
     all the room left, and asking for more than that is a 400 naming `param`."""
     room = max_context - len(prompt_ids)
     if room < 1:
         raise ApiError(413, f"This model's maximum context length is {max_context} tokens; the prompt has "
                             f"{len(prompt_ids)} tokens, which leaves no room for a completion",
-                       param="messages" if param == "max_completion_tokens" else "prompt",
-                       code="context_length_exceeded")
+                       param=prompt_param, code="context_length_exceeded")
     if max_tokens is None:
         return room
     if max_tokens < 1:
@@ -281,7 +281,7 @@ def chat_params(request: ChatRequest, render, max_context: int) -> GenerationPar
     limit = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     prompt_ids = render(chat_turns(request.messages))
     values = sampling_values(request)
-    max_tokens = check_fits(prompt_ids, limit, param, max_context)
+    max_tokens = check_fits(prompt_ids, limit, param, max_context, "messages")
     return GenerationParams(prompt_ids, max_tokens, stops=stop_strings(request.stop), stream=request.stream,
                             include_usage=bool(request.stream_options and request.stream_options.include_usage),
                             ignore_eos=request.ignore_eos, logprobs=bool(request.logprobs), **values)

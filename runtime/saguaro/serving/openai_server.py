@@ -24,7 +24,7 @@ import json
 import threading
 import time
 import uuid
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -54,8 +54,13 @@ class ServedModel:
     max_context: int
 
     @classmethod
-    def load(cls, name: str, tokenizer_dir, max_context: int) -> "ServedModel":
-        return cls(name, load_tokenizer(tokenizer_dir), max_context)
+    def load(cls, name: str, tokenizer_dir, max_context: int, chat_template: str | None = None) -> "ServedModel":
+        """`chat_template` (Jinja text) replaces the tokenizer's own, or gives one to a
+        model that has none (vLLM's --chat-template)."""
+        tokenizer = load_tokenizer(tokenizer_dir)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+        return cls(name, tokenizer, max_context)
 
     def encode(self, text: str) -> list[int]:
         try:
@@ -361,7 +366,12 @@ class FrontEnd:
 
 
 def create_app(front: FrontEnd) -> FastAPI:
-    app = FastAPI(title="Saguaro SSD (OpenAI-compatible)", docs_url=None, redoc_url=None)
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await front.ssd.close()  # the gRPC channel lives in this event loop
+
+    app = FastAPI(title="Saguaro SSD (OpenAI-compatible)", docs_url=None, redoc_url=None, lifespan=lifespan)
 
     @app.exception_handler(ApiError)
     async def api_error(_request, error: ApiError):
@@ -389,10 +399,6 @@ def create_app(front: FrontEnd) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         return await front.chat(request)
-
-    @app.on_event("shutdown")
-    async def close_channel():
-        await front.ssd.close()
 
     return app
 
