@@ -255,9 +255,12 @@ class TritonPythonModel:
     def parse(self, get) -> list:
         """Every prompt of the request, checked before any starts (RequestError names the input)."""
         items = serving.parse_batch(get, self.defaults, self.limits, self.codec.encode if self.codec else None)
-        if not self.decoupled and (len(items) > 1 or any(item.stream for item in items)):
-            raise serving.RequestError("input 'stream' true and batched requests need the decoupled model "
-                                       "(decoupled_mode true): this server answers each request once")
+        if not self.decoupled and any(item.stream for item in items):
+            raise serving.RequestError("input 'stream' true needs the decoupled model (decoupled_mode true): "
+                                       "this server answers each request once")
+        if not self.decoupled and len(items) > 1:
+            raise serving.RequestError(f"a request of {len(items)} prompts needs the decoupled model (decoupled_mode "
+                                       "true): this server answers each request once, so send them one by one")
         for item in items:
             self.pipeline.check_request(item.prompt_ids, item.options, serving.INPUT_NAMES)
         return items
