@@ -22,6 +22,7 @@ ones until the deadline, stop the rest (finish reason "shutdown") and answer wit
 """
 import json
 import os
+import queue
 import threading
 import time
 from dataclasses import replace
@@ -75,6 +76,34 @@ def polled(check, every_s: float):
     return poll
 
 
+class Outbox:
+    """One thread that sends every response, in order. The scheduler hands each round's
+    responses over and goes on with the next round: building Triton tensors and passing
+    them to the server process (shared memory and a message per response) then overlaps
+    the engines' next forward, which runs without the GIL, instead of adding to every
+    round. Work posted after a request's final response (ending it in the registry and
+    the metrics) runs after that response is sent, so a drain never outruns it."""
+
+    def __init__(self):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self.run, name="ssd-outbox", daemon=True)
+        self.thread.start()
+
+    def post(self, work) -> None:
+        self.queue.put(work)
+
+    def run(self) -> None:
+        while (work := self.queue.get()) is not None:
+            try:
+                work()
+            except Exception as failure:  # noqa: BLE001 - one failed send must not stop the rest
+                pb_utils.Logger.log_error(f"sending a response failed: {type(failure).__name__}: {failure}")
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+
+
 class Replies:
     """One Triton request's response sender, shared by the prompts of a batched request:
     only the last prompt's final response closes it (FINAL). Each response carries only
@@ -83,14 +112,16 @@ class Replies:
     non-decoupled model answers each request exactly once: everything but the final
     response is left out."""
 
-    def __init__(self, request, sender, items: int, decoupled: bool):
-        self.sender = sender
+    def __init__(self, request, sender, items: int, decoupled: bool, outbox: Outbox):
+        self.sender, self.outbox = sender, outbox
         self.wanted = set(request.requested_output_names())
         self.open, self.decoupled, self.lock = items, decoupled, threading.Lock()
 
     def send(self, arrays: dict, final: bool) -> None:
-        if not final and not self.decoupled:
-            return
+        if final or self.decoupled:
+            self.outbox.post(lambda: self.send_now(arrays, final))
+
+    def send_now(self, arrays: dict, final: bool) -> None:
         with self.lock:
             closing = final and self.open == 1
             self.open -= final
@@ -100,6 +131,9 @@ class Replies:
 
     def error(self, message: str, code) -> None:
         """One prompt's error; the request closes with it if no other prompt is open."""
+        self.outbox.post(lambda: self.error_now(message, code))
+
+    def error_now(self, message: str, code) -> None:
         with self.lock:
             closing = self.open <= 1
             self.open -= 1
@@ -208,6 +242,7 @@ class TritonPythonModel:
         self.metrics = SsdMetrics(args["model_name"], args["model_version"])
         self.pipeline.observe_rounds(lambda batch: self.metrics.observe_round(batch, self.pipeline.queued))
         self.generations = lifecycle.Generations()
+        self.outbox = Outbox()
         self.control_token = os.environ.get(lifecycle.CONTROL_TOKEN_ENV)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         # for requests sent as text_input
@@ -247,7 +282,7 @@ class TritonPythonModel:
             send_error(sender, f"the server has {self.max_queue} requests waiting "
                        "already; try again later", pb_utils.TritonError.UNAVAILABLE)
             return
-        replies = Replies(request, sender, len(items), self.decoupled)
+        replies = Replies(request, sender, len(items), self.decoupled, self.outbox)
         for parsed, live in zip(items, lives):
             self.metrics.change_in_flight(1)
             self.generate(request, replies, parsed, live, replace(arrival))
@@ -281,18 +316,24 @@ class TritonPythonModel:
         outcome.add_done_callback(lambda done: self.ended(replies, live, done))
 
     def ended(self, replies, live, done) -> None:
-        """In the scheduler's thread, once the final response went out (or failed)."""
+        """In the scheduler's thread, once the final response was handed to the outbox (or
+        failed); the request ends after that response is sent."""
         error = done.exception()
         if error is not None:
             self.failed(replies, live, error)
             return
-        self.metrics.record(done.result())
-        self.generations.end(live.generation_id)
-        self.metrics.change_in_flight(-1)
+        self.outbox.post(lambda: self.forget(live, done.result()))
 
     def failed(self, replies, live, error: BaseException) -> None:
-        self.metrics.count_request("failed")
         replies.error(f"generation failed: {type(error).__name__}: {error}", pb_utils.TritonError.INTERNAL)
+        self.outbox.post(lambda: self.forget(live, None))
+
+    def forget(self, live, outcome) -> None:
+        """The request is over: its figures (None: it failed) and its registration."""
+        if outcome is None:
+            self.metrics.count_request("failed")
+        else:
+            self.metrics.record(outcome)
         self.generations.end(live.generation_id)
         self.metrics.change_in_flight(-1)
 
@@ -321,3 +362,4 @@ class TritonPythonModel:
         # gets its final response.
         self.generations.stop_all(lifecycle.SHUTDOWN)
         self.pipeline.close()
+        self.outbox.close()  # every response handed over is sent
