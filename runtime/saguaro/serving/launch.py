@@ -43,6 +43,8 @@ import tritonclient.grpc as grpcclient
 from saguaro.serving.client import CompletionError, infer_inputs, stream_responses
 from saguaro.serving.lifecycle import CONTROL_TOKEN_ENV, STOP_GRACE_S, DrainReport, drain_inputs
 from saguaro.serving.model_repo import add_source_arguments, prepare_model_repo, values_from_args
+from saguaro.serving.openai_server import FrontEnd, OpenAIServer, ServedModel
+from saguaro.serving.ssd_stream import SsdStream
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "triton_python_backend_shm_region_"
@@ -360,9 +362,6 @@ def default_model_name(values: dict[str, str]) -> str:
 def start_openai(values: dict[str, str], server: TritonServer, host: str, port: int, name: str,
                  chat_template: str | None = None):
     """The OpenAI-compatible front end, talking to `server`'s gRPC endpoint."""
-    from saguaro.serving.openai_server import FrontEnd, OpenAIServer, ServedModel  # FastAPI only when asked for
-    from saguaro.serving.ssd_stream import SsdStream
-
     model = ServedModel.load(name, Path(values["tokenizer_dir"]), int(values["max_context"]), chat_template)
     front = FrontEnd(model, SsdStream(f"{server.address}:{server.ports.grpc}"))
     return OpenAIServer(front, host, port).start()
