@@ -75,7 +75,8 @@ class TritonPythonModel:
         text = text_delta(self.codec.decode, ids_of(request, "PREFIX_IDS"), ids_of(request, "TOKENS_BATCH"), final)
         # shape [1]: tensorrtllm_backend's clients read `text_output[0]` as the bytes of the text
         tensors = [pb_utils.Tensor("OUTPUT", np.array([text.encode("utf-8")], dtype=object))]
-        return tensors + [pb_utils.Tensor(output, array_of(request, name)) for name, output in PASSED_THROUGH.items()]
+        passed = [(output, pb_utils.get_input_tensor_by_name(request, name)) for name, output in PASSED_THROUGH.items()]
+        return tensors + [pb_utils.Tensor(output, given.as_numpy()) for output, given in passed if given is not None]
 
     def relay_cancellation(self, request) -> None:
         generation_id = array_of(request, "GENERATION_ID")

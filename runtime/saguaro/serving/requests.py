@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -79,6 +79,7 @@ class ServingRequest:
     logprobs: bool = False      # return_log_probs: the target's log-probability of each token
     perf_metrics: bool = False  # return_perf_metrics: tensorrtllm_backend's figures on every response
     batch_index: int = 0        # which item of a batched request this is
+    batched: bool = False       # one of several prompts of a request
     text: bool = False          # sent as text_input: the model detokenizes its responses itself
 
 
@@ -279,7 +280,8 @@ def parse_batch(get: GetInput, defaults: DecodeOptions, limits: ModelLimits,
     requests = []
     for index in range(size):
         try:
-            requests.append(parse_request(batch_item(get, index, size), defaults, limits, index, encode))
+            request = parse_request(batch_item(get, index, size), defaults, limits, index, encode)
+            requests.append(replace(request, batched=True) if size > 1 else request)
         except RequestError as error:
             raise RequestError(f"batch item {index}: {error}" if size > 1 else str(error)) from None
     return requests

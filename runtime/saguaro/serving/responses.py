@@ -99,35 +99,38 @@ class Response:
 
 
 def response_arrays(response: Response, request: ServingRequest) -> dict[str, np.ndarray]:
-    """Every output of the SSD model (an ensemble step needs them all in every response):
-    the figures of the whole request are empty until the final response; log-probabilities
-    and perf metrics are empty unless the request asked for them."""
+    """The outputs of one response of the SSD model. Every response carries its tokens and
+    the token counts; the whole request's figures ride on the final one, `batch_index`
+    on those of a batched request (as tensorrtllm_backend sends it), log-probabilities
+    and perf metrics on those of requests that asked. The postprocessing model takes all
+    of these as optional inputs: each tensor a response leaves out is a tensor less to
+    pass between the processes, every round."""
     summary = response.summary
     stats = summary.stats if summary else {}
-
-    def final_figure(value, dtype) -> np.ndarray:
-        return row([value] if summary else [], dtype)
 
     logprobs = response.logprobs
     arrays = {
         "output_ids": row(response.new_ids, np.int32),
         "prefix_ids": row(response.prefix_ids, np.int32),
         "is_final": row([summary is not None], bool),
-        "finish_reason": row([summary.finish_reason.encode()] if summary else [], object),
-        "accepted_histogram": row(stats.get("accepted_histogram", []), np.int32),
-        "cache_hits": final_figure(stats.get("cache_hits"), np.int32),
-        "cache_misses": final_figure(stats.get("cache_misses"), np.int32),
-        "tokens_per_s": final_figure(stats.get("tokens_per_s"), np.float32),
-        "sampling_seed": final_figure(stats.get("seed"), np.uint64),
         "num_input_tokens": row([len(request.prompt_ids)], np.int32),
         "num_output_tokens": row([response.output_tokens], np.int32),
-        "batch_index": row([request.batch_index], np.int32),
-        "sequence_index": row([0], np.int32),
-        "cum_log_probs": row([] if logprobs is None else [response.cum_logprob], np.float32),
-        "output_log_probs": np.array([] if logprobs is None else logprobs, np.float32).reshape(1, 1, -1),
     }
-    for name, dtype in PERF_OUTPUTS.items():
-        arrays[name] = row([] if response.perf is None else [response.perf[name]], dtype)
+    if summary is not None:  # the whole request's figures, on its final response
+        arrays.update({
+            "finish_reason": row([summary.finish_reason.encode()], object),
+            "accepted_histogram": row(stats.get("accepted_histogram", []), np.int32),
+            "cache_hits": row([stats.get("cache_hits")], np.int32),
+            "cache_misses": row([stats.get("cache_misses")], np.int32),
+            "tokens_per_s": row([stats.get("tokens_per_s")], np.float32),
+            "sampling_seed": row([stats.get("seed")], np.uint64)})
+    if request.batched:  # as tensorrtllm_backend: which prompt of a batched request
+        arrays.update({"batch_index": row([request.batch_index], np.int32), "sequence_index": row([0], np.int32)})
+    if logprobs is not None:  # outputs a request did not ask for are left out, not sent empty
+        arrays["cum_log_probs"] = row([response.cum_logprob], np.float32)
+        arrays["output_log_probs"] = np.array(logprobs, np.float32).reshape(1, 1, -1)
+    if response.perf is not None:
+        arrays.update({name: row([response.perf[name]], dtype) for name, dtype in PERF_OUTPUTS.items()})
     if response.text is not None:
         arrays["text_output"] = np.array([response.text.encode("utf-8")], dtype=object)
     return arrays
