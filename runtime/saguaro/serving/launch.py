@@ -5,7 +5,7 @@
     python scripts/serve.py --target models/tiny/target --draft models/tiny/draft --grpc-port 9001
 
 Installs nothing. The server is the `tritonserver` (2.51) bundled in the nvidia-pytriton
-wheel, with its Python backend (see shared/triton-on-cpu.md). This script prepares a run
+wheel, with its Python backend. This script prepares a run
 folder (filled model repository, backend folder, log), starts the server with the
 library path its Python stub needs, waits until it is ready and prints one line.
 

@@ -88,8 +88,8 @@ def batch_size(get: GetInput) -> int:
     batched requests, `--batch-inputs`)."""
     for name in ("input_ids", "text_input"):
         array = get(name)
-        if array is not None:
-            return max(1, int(np.asarray(array).shape[0])) if np.asarray(array).ndim else 1
+        if array is not None and np.ndim(array) > 0:
+            return max(1, np.shape(array)[0])
     return 1
 
 
