@@ -77,13 +77,17 @@ class ResponseSender:
 class Request:
     """An inference request with named inputs, a sender, and a cancellation flag."""
 
-    def __init__(self, inputs: dict[str, np.ndarray], cancelled: bool = False):
+    def __init__(self, inputs: dict[str, np.ndarray], cancelled: bool = False, requested: list[str] = ()):
         self.inputs = {name: Tensor(name, value) for name, value in inputs.items()}
         self.sender = ResponseSender()
         self.cancelled = cancelled
+        self.requested = list(requested)  # as a direct client names them; empty: every output
 
     def get_response_sender(self) -> ResponseSender:
         return self.sender
+
+    def requested_output_names(self) -> list[str]:
+        return self.requested
 
     def is_cancelled(self) -> bool:
         return self.cancelled
@@ -165,6 +169,10 @@ class MetricFamily:
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 
 
+def using_decoupled_model_transaction_policy(model_config: dict) -> bool:
+    return model_config.get("model_transaction_policy", {}).get("decoupled", True)
+
+
 def default_bls_handler(request: InferenceRequest, decoupled: bool):
     return iter([InferenceResponse()])
 
@@ -185,7 +193,8 @@ def load_model(name: str) -> types.ModuleType:
     return loaded
 
 
-def model_args(name: str, parameters: dict[str, str]) -> dict:
+def model_args(name: str, parameters: dict[str, str], decoupled: bool = True) -> dict:
     """The `args` Triton gives `initialize`, with `config.pbtxt` parameters."""
-    config = {"name": name, "parameters": {key: {"string_value": value} for key, value in parameters.items()}}
+    config = {"name": name, "parameters": {key: {"string_value": value} for key, value in parameters.items()},
+              "model_transaction_policy": {"decoupled": decoupled}}
     return {"model_config": json.dumps(config), "model_name": name, "model_version": "1"}

@@ -26,6 +26,7 @@ from saguaro.serving.client import MODEL, CompletionError, complete, ensemble_in
 from saguaro.serving.interface import IGNORED, NEUTRAL_ONLY
 from saguaro.serving.launch import Ports, parse_args, serve
 from saguaro.serving.model_repo import values_from_args
+from saguaro.serving.responses import PERF_OUTPUTS
 from served import metric, one, raw, reference
 from served import metrics as metrics_at
 
@@ -114,7 +115,8 @@ def test_server_metadata_and_model_configs_are_what_clients_expect(server, clien
     assert set(NEUTRAL_ONLY) | set(IGNORED) <= set(inputs)
     assert {spec.name for spec in metadata.outputs} == {
         "text_output", "finish_reason", "accepted_histogram", "cache_hits", "cache_misses", "tokens_per_s",
-        "num_input_tokens", "num_output_tokens", "sampling_seed"}
+        "num_input_tokens", "num_output_tokens", "sampling_seed", "batch_index", "sequence_index",
+        "cum_log_probs", "output_log_probs", *PERF_OUTPUTS}
     config = client.get_model_config(MODEL).config
     assert config.platform == "ensemble" and all(spec.optional for spec in config.input)  # see config.pbtxt
     ssd = client.get_model_config("ssd").config
@@ -243,7 +245,7 @@ UNHONOURED_VALUES = [
     one("presence_penalty", 0.5, "FP32"), one("frequency_penalty", 0.5, "FP32"),
     one("embedding_bias_words", "fox", "BYTES"), ("embedding_bias_weights", np.ones((1, 1), np.float32), "FP32"),
     one("guided_decoding_guide_type", "json", "BYTES"), one("guided_decoding_guide", "{}", "BYTES"),
-    one("return_log_probs", True, "BOOL"), one("return_context_logits", True, "BOOL"),
+    one("return_context_logits", True, "BOOL"),
     one("return_generation_logits", True, "BOOL"), one("decoder_text_input", "hello", "BYTES"),
     ("prompt_embedding_table", np.ones((1, 2, 2), np.float16), "FP16"), one("prompt_vocab_size", 2, "INT32"),
     one("prompt_table_extra_id", 3, "UINT64"), one("lora_task_id", 0, "UINT64"),

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import openai
 import pytest
 import tritonclient.grpc as grpcclient
 
@@ -57,11 +58,11 @@ class Served:
         return f"127.0.0.1:{self.ports.grpc}"
 
 
-def start_serve_py(engines: Path, run_dir: Path) -> Served:
+def start_serve_py(engines: Path, run_dir: Path, *flags: str) -> Served:
     ports = Ports.free()
     command = [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), "--engines", str(engines),
                "--grpc-port", str(ports.grpc), "--http-port", str(ports.http), "--metrics-port", str(ports.metrics),
-               "--drain-timeout", str(DRAIN_TIMEOUT_S), "--max-concurrency", "4", "--run-dir", str(run_dir)]
+               "--drain-timeout", str(DRAIN_TIMEOUT_S), "--max-concurrency", "4", "--run-dir", str(run_dir), *flags]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     ready = process.stdout.readline()  # serve.py prints one line once the server is ready
@@ -184,3 +185,33 @@ def test_sigterm_to_tritonserver_itself_drains_the_same_way(pipeline, served_eng
     assert "2 in flight, 2 finished, 0 stopped at the deadline" in "".join(served.output)
     assert process_group_gone(served.triton_pid)
     idle.close()
+
+
+def test_the_openai_front_end_drains_with_the_model(pipeline, served_engines, tmp_path):
+    """SIGTERM to serve.py with an HTTP stream in flight: it finishes whole (it fits in the
+    deadline), a request during the drain gets 503, and serve.py exits cleanly."""
+    port = Ports.free().grpc
+    served = start_serve_py(served_engines, tmp_path / "run", "--openai-port", str(port))
+    assert f"OpenAI API http://127.0.0.1:{port}/v1" in served.output[0]
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    chunks, done = [], threading.Event()
+
+    def stream():
+        for chunk in api.completions.create(model=served_engines.name, prompt="the quick", max_tokens=SHORT,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True}):
+            chunks.append(chunk)
+        done.set()
+    threading.Thread(target=stream, daemon=True).start()
+    deadline = time.monotonic() + 60
+    while len(chunks) < 2:
+        assert time.monotonic() < deadline, "the stream never started"
+        time.sleep(0.01)
+    os.kill(served.process.pid, signal.SIGTERM)
+    time.sleep(0.5)  # the drain has begun
+    with pytest.raises(openai.APIStatusError) as refused:
+        api.completions.create(model=served_engines.name, prompt="x", max_tokens=4)
+    assert refused.value.status_code == 503
+    assert done.wait(EXIT_WITHIN_S)
+    expected = pipeline.decode(reference(pipeline, "the quick", SHORT, end_id=-1)[0].output_ids)
+    assert "".join(c.choices[0].text for c in chunks) == expected and chunks[-1].choices[0].finish_reason == "length"
+    assert served.process.wait(EXIT_WITHIN_S) == 0

@@ -96,6 +96,113 @@ def test_a_streamed_request_sends_each_round_then_a_final_response(ssd, long_pai
     assert len(ids) == 1, "every response of a generation carries its one id"
 
 
+def test_a_batched_request_answers_each_prompt_with_its_batch_index_and_closes_once(ssd, long_pair):
+    """tensorrtllm_backend's batched requests: prompts padded to the longest (input_lengths
+    says each one's length), one response per prompt and round, FINAL once, after the last."""
+    prompts = [[1, 7, 9, 11], [1, 5], [1, 8, 8]]
+    padded = np.zeros((3, 4), np.int32)
+    for row, prompt in enumerate(prompts):
+        padded[row, :len(prompt)] = prompt
+    request = fake_triton.Request({"input_ids": padded, "input_lengths": np.array([[4], [2], [3]], np.int32),
+                                   "max_tokens": np.array([[6], [9], [5]], np.int32),
+                                   "stream": np.array([[True]] * 3), "num_draft_tokens": np.array([[2]] * 3, np.int32)})
+    ssd.execute([request])
+    responses = wait_final(request)
+    pipeline = Pipeline.load(target=long_pair / "target", draft=long_pair / "draft")
+    for index, (prompt, max_tokens) in enumerate(zip(prompts, (6, 9, 5))):
+        mine = [r for r in responses if int(r.outputs()["batch_index"][0, 0]) == index]
+        expected = pipeline.generate(prompt, DecodeOptions(max_tokens=max_tokens, num_draft_tokens=2), SamplingParams())
+        assert output_ids(mine) == expected.output_ids
+        assert mine[-1].outputs()["finish_reason"].size == 1
+        assert all(int(r.outputs()["num_input_tokens"][0, 0]) == len(prompt) for r in mine)
+    flags = [flags for _, flags in request.sender.sent]
+    assert flags.count(FINAL) == 1 and flags[-1] == FINAL
+
+
+def test_a_bad_prompt_in_a_batch_refuses_the_whole_request_naming_the_item(ssd):
+    request = fake_triton.Request({"input_ids": np.array([[1, 2], [1, 9999]], np.int32),
+                                   "max_tokens": np.array([[4], [4]], np.int32)})
+    ssd.execute([request])
+    (response, flags), = request.sender.sent
+    assert flags == FINAL and "batch item 1: input 'input_ids'" in response.error().message()
+
+
+def test_perf_metrics_and_log_probs_ride_on_every_response(ssd):
+    request = generation_request([1, 7, 9], 10, stream=True, return_perf_metrics=True, return_log_probs=True,
+                                 num_draft_tokens=np.int32(3))
+    ssd.execute([request])
+    responses = wait_final(request)
+    running = 0.0
+    for response in responses:
+        outputs = response.outputs()
+        assert outputs["output_log_probs"].shape == (1, 1, outputs["output_ids"].size)
+        running += float(outputs["output_log_probs"].sum())
+        assert outputs["cum_log_probs"][0, 0] == pytest.approx(running, abs=1e-4)
+        assert np.all(outputs["output_log_probs"] <= 0)
+        assert outputs["arrival_time_ns"][0, 0] <= outputs["first_scheduled_time_ns"][0, 0] \
+            <= outputs["first_token_time_ns"][0, 0] <= outputs["last_token_time_ns"][0, 0]
+    final = responses[-1].outputs()
+    histogram = final["accepted_histogram"].reshape(-1)
+    accepted = sum(a * n for a, n in enumerate(histogram))
+    assert int(final["total_accepted_draft_tokens"][0, 0]) == accepted
+    drafted = int(final["total_draft_tokens"][0, 0])
+    assert 0 < drafted <= 3 * sum(histogram) and final["acceptance_rate"][0, 0] == pytest.approx(accepted / drafted)
+    assert int(final["kv_cache_alloc_new_blocks"][0, 0]) == 2 and int(final["kv_cache_reused_blocks"][0, 0]) == 0
+
+
+def test_without_asking_the_perf_and_log_prob_outputs_are_empty(ssd):
+    request = generation_request([1, 7], 4)
+    ssd.execute([request])
+    final = wait_final(request)[-1].outputs()
+    assert not {"cum_log_probs", "output_log_probs", "acceptance_rate", "arrival_time_ns", "batch_index"} & set(final)
+    assert int(final["num_output_tokens"][0, 0]) == 4 and final["finish_reason"].size == 1
+
+
+def test_a_direct_client_gets_only_the_outputs_it_asked_for(ssd):
+    request = fake_triton.Request({"input_ids": np.array([[1, 7]], np.int32), "max_tokens": np.array([[4]], np.int32)},
+                                  requested=["output_ids", "finish_reason"])
+    ssd.execute([request])
+    assert set(wait_final(request)[-1].outputs()) == {"output_ids", "finish_reason"}
+
+
+def test_a_text_request_is_tokenized_and_answered_in_text(ssd_module, long_pair, monkeypatch):
+    monkeypatch.setenv(CONTROL_TOKEN_ENV, TOKEN)
+    model = ssd_module.TritonPythonModel()
+    model.initialize(fake_triton.model_args("ssd", {
+        "engines_dir": "", "target_dir": str(long_pair / "target"), "draft_dir": str(long_pair / "draft"),
+        "tokenizer_dir": str(long_pair / "target"), "default_num_draft_tokens": "2", "max_concurrency": "2"}))
+    try:
+        pipeline = Pipeline.load(target=long_pair / "target", draft=long_pair / "draft")
+        expected = pipeline.generate(pipeline.encode("the quick"), DecodeOptions(max_tokens=12), SamplingParams())
+        streamed = fake_triton.Request({"text_input": np.array([[b"the quick"]], object),
+                                        "max_tokens": np.array([[12]], np.int32), "stream": np.array([[True]])})
+        whole = fake_triton.Request({"text_input": np.array([[b"the quick"]], object),
+                                     "max_tokens": np.array([[12]], np.int32)})
+        model.execute([streamed, whole])
+        pieces = [r.outputs()["text_output"][0].decode() for r in wait_final(streamed)]
+        assert "".join(pieces) == pipeline.decode(expected.output_ids)
+        assert wait_final(whole)[-1].outputs()["text_output"][0].decode() == pipeline.decode(expected.output_ids)
+    finally:
+        model.finalize()
+
+
+def test_a_model_that_is_not_decoupled_answers_once_and_refuses_streams(ssd_module, long_pair, monkeypatch):
+    monkeypatch.setenv(CONTROL_TOKEN_ENV, TOKEN)
+    model = ssd_module.TritonPythonModel()
+    model.initialize(fake_triton.model_args("ssd", {
+        "engines_dir": "", "target_dir": str(long_pair / "target"), "draft_dir": str(long_pair / "draft"),
+        "max_concurrency": "2"}, decoupled=False))
+    try:
+        once, streamed = generation_request([1, 7], 6), generation_request([1, 7], 6, stream=True)
+        model.execute([once, streamed])
+        (response, flags), = wait_final(once) and once.sender.sent
+        assert flags == FINAL and response.outputs()["output_ids"].size == 6
+        (refusal, _), = streamed.sender.sent
+        assert "decoupled" in refusal.error().message()
+    finally:
+        model.finalize()
+
+
 @pytest.mark.parametrize("inputs, named", [
     ({"max_tokens": np.array([[4]], np.int32)}, "input_ids"),
     ({"input_ids": np.array([[1, 2]], np.int32)}, "max_tokens"),
@@ -179,11 +286,11 @@ def paced(pipeline, monkeypatch, seconds_per_round: float) -> None:
     """Rounds that take a known time, so that what finishes before a deadline is certain."""
     make_request = pipeline.request
 
-    def slow(prompt_ids, options, sampling, on_tokens=None, cancelled=lambda: False):
+    def slow(prompt_ids, options, sampling, on_tokens=None, cancelled=lambda: False, **hooks):
         def each_round(tokens):
             time.sleep(seconds_per_round)
             on_tokens(tokens)
-        return make_request(prompt_ids, options, sampling, on_tokens=each_round, cancelled=cancelled)
+        return make_request(prompt_ids, options, sampling, on_tokens=each_round, cancelled=cancelled, **hooks)
     monkeypatch.setattr(pipeline, "request", slow)
 
 
@@ -277,11 +384,18 @@ def postprocessing(tiny_pair, monkeypatch):
 FIGURES = {"FINISH_REASON": np.array([[b"length"]], object), "ACCEPTED_HISTOGRAM": np.array([[1, 2]], np.int32),
            "CACHE_HITS": np.array([[3]], np.int32), "CACHE_MISSES": np.array([[0]], np.int32),
            "TOKENS_PER_S": np.array([[9.5]], np.float32), "NUM_INPUT_TOKENS": np.array([[4]], np.int32),
-           "NUM_OUTPUT_TOKENS": np.array([[5]], np.int32), "SAMPLING_SEED": np.array([[77]], np.uint64)}
+           "NUM_OUTPUT_TOKENS": np.array([[5]], np.int32), "SAMPLING_SEED": np.array([[77]], np.uint64),
+           "BATCH_INDEX": np.array([[2]], np.int32), "SEQUENCE_INDEX": np.array([[0]], np.int32),
+           "CUM_LOG_PROBS": np.array([[-1.5]], np.float32), "OUTPUT_LOG_PROBS": np.array([[[-1.0, -0.5]]], np.float32),
+           "KV_CACHE_ALLOC_NEW_BLOCKS": np.array([[2]], np.int32), "KV_CACHE_REUSED_BLOCKS": np.array([[0]], np.int32),
+           "KV_CACHE_ALLOC_TOTAL_BLOCKS": np.array([[2]], np.int32), "ARRIVAL_TIME_NS": np.array([[10]], np.int64),
+           "FIRST_SCHEDULED_TIME_NS": np.array([[11]], np.int64), "FIRST_TOKEN_TIME_NS": np.array([[12]], np.int64),
+           "LAST_TOKEN_TIME_NS": np.array([[13]], np.int64), "ACCEPTANCE_RATE": np.array([[0.5]], np.float32),
+           "TOTAL_ACCEPTED_DRAFT_TOKENS": np.array([[3]], np.int32), "TOTAL_DRAFT_TOKENS": np.array([[6]], np.int32)}
 
 
 def postprocessing_request(ids, generation_id: int, cancelled: bool = False, final: bool = True) -> fake_triton.Request:
-    empty = {name: np.zeros((1, 0), array.dtype) for name, array in FIGURES.items()}
+    empty = {name: np.zeros((1,) + (0,) * (array.ndim - 1), array.dtype) for name, array in FIGURES.items()}
     return fake_triton.Request({"TOKENS_BATCH": np.array([ids], np.int32).reshape(1, -1),
                                 "PREFIX_IDS": np.zeros((1, 0), np.int32), "IS_FINAL": np.array([[final]]),
                                 "GENERATION_ID": np.array([[generation_id]], np.uint64),

@@ -21,11 +21,16 @@ import triton_python_backend_utils as pb_utils
 from saguaro.runtime.detokenizer import text_delta
 from saguaro.serving.requests import TextCodec, model_parameters
 
+import json
+
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # The request's figures, from the SSD model to the client unchanged (input -> output).
 PASSED_THROUGH = {name.upper(): name for name in (
     "finish_reason", "accepted_histogram", "cache_hits", "cache_misses", "tokens_per_s",
-    "num_input_tokens", "num_output_tokens", "sampling_seed")}
+    "num_input_tokens", "num_output_tokens", "sampling_seed", "batch_index", "sequence_index",
+    "cum_log_probs", "output_log_probs", "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
+    "kv_cache_alloc_total_blocks", "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns",
+    "last_token_time_ns", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")}
 
 
 def array_of(request, name: str) -> np.ndarray:
@@ -45,8 +50,11 @@ class TritonPythonModel:
         parameters = model_parameters(args)
         self.codec = TextCodec(parameters["tokenizer_dir"])
         self.generation_model = parameters["generation_model"]
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
 
     def execute(self, requests):
+        if not self.decoupled:  # one response per request, nothing to drop or relay
+            return [pb_utils.InferenceResponse(output_tensors=self.outputs(request)) for request in requests]
         for request in requests:  # in order: one instance keeps a request's responses in order
             self.respond(request)
         return None
@@ -65,8 +73,10 @@ class TritonPythonModel:
     def outputs(self, request) -> list:
         final = bool(array_of(request, "IS_FINAL").reshape(-1)[0])
         text = text_delta(self.codec.decode, ids_of(request, "PREFIX_IDS"), ids_of(request, "TOKENS_BATCH"), final)
-        tensors = [pb_utils.Tensor("OUTPUT", np.array([[text.encode("utf-8")]], dtype=object))]
-        return tensors + [pb_utils.Tensor(output, array_of(request, name)) for name, output in PASSED_THROUGH.items()]
+        # shape [1]: tensorrtllm_backend's clients read `text_output[0]` as the bytes of the text
+        tensors = [pb_utils.Tensor("OUTPUT", np.array([text.encode("utf-8")], dtype=object))]
+        passed = [(output, pb_utils.get_input_tensor_by_name(request, name)) for name, output in PASSED_THROUGH.items()]
+        return tensors + [pb_utils.Tensor(output, given.as_numpy()) for output, given in passed if given is not None]
 
     def relay_cancellation(self, request) -> None:
         generation_id = array_of(request, "GENERATION_ID")

@@ -20,9 +20,12 @@ Shutdown: a drain request from the launcher (`control` = "drain", see
 saguaro/serving/lifecycle.py) makes this model refuse new generations, wait for the running
 ones until the deadline, stop the rest (finish reason "shutdown") and answer with a report.
 """
+import json
 import os
+import queue
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -31,7 +34,7 @@ import triton_python_backend_utils as pb_utils
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.serving import lifecycle
 from saguaro.serving import requests as serving
-from saguaro.serving.responses import start_request
+from saguaro.serving.responses import Timing, start_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Tokens per second of one request; a tiny model on CPU reaches the thousands.
@@ -73,9 +76,72 @@ def polled(check, every_s: float):
     return poll
 
 
-def send_arrays(sender, arrays: dict, final: bool) -> None:
-    tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items()]
-    sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
+class Outbox:
+    """One thread that sends every response, in order. The scheduler hands each round's
+    responses over and goes on with the next round: building Triton tensors and passing
+    them to the server process (shared memory and a message per response) then overlaps
+    the engines' next forward, which runs without the GIL, instead of adding to every
+    round. Work posted after a request's final response (ending it in the registry and
+    the metrics) runs after that response is sent, so a drain never outruns it."""
+
+    def __init__(self):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self.run, name="ssd-outbox", daemon=True)
+        self.thread.start()
+
+    def post(self, work) -> None:
+        self.queue.put(work)
+
+    def run(self) -> None:
+        while (work := self.queue.get()) is not None:
+            try:
+                work()
+            except Exception as failure:  # noqa: BLE001 - one failed send must not stop the rest
+                pb_utils.Logger.log_error(f"sending a response failed: {type(failure).__name__}: {failure}")
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+
+
+class Replies:
+    """One Triton request's response sender, shared by the prompts of a batched request:
+    only the last prompt's final response closes it (FINAL). Each response carries only
+    the outputs the request asked for (an ensemble step asks for those it maps; a direct
+    client for its own), so a direct client pays for no tensor it does not read. A
+    non-decoupled model answers each request exactly once: everything but the final
+    response is left out."""
+
+    def __init__(self, request, sender, items: int, decoupled: bool, outbox: Outbox):
+        self.sender, self.outbox = sender, outbox
+        self.wanted = set(request.requested_output_names())
+        self.open, self.decoupled, self.lock = items, decoupled, threading.Lock()
+
+    def send(self, arrays: dict, final: bool) -> None:
+        if final or self.decoupled:
+            self.outbox.post(lambda: self.send_now(arrays, final))
+
+    def send_now(self, arrays: dict, final: bool) -> None:
+        with self.lock:
+            closing = final and self.open == 1
+            self.open -= final
+            tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items()
+                       if not self.wanted or name in self.wanted]
+            self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if closing else 0)
+
+    def error(self, message: str, code) -> None:
+        """One prompt's error; the request closes with it if no other prompt is open."""
+        self.outbox.post(lambda: self.error_now(message, code))
+
+    def error_now(self, message: str, code) -> None:
+        with self.lock:
+            closing = self.open <= 1
+            self.open -= 1
+            try:
+                self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)),
+                                 flags=FINAL if closing else 0)
+            except Exception as failure:  # noqa: BLE001 - e.g. the final response already went out
+                pb_utils.Logger.log_error(f"could not report '{message}': {failure}")
 
 
 class SsdMetrics:
@@ -176,7 +242,11 @@ class TritonPythonModel:
         self.metrics = SsdMetrics(args["model_name"], args["model_version"])
         self.pipeline.observe_rounds(lambda batch: self.metrics.observe_round(batch, self.pipeline.queued))
         self.generations = lifecycle.Generations()
+        self.outbox = Outbox()
         self.control_token = os.environ.get(lifecycle.CONTROL_TOKEN_ENV)
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
+        # for requests sent as text_input
+        self.codec = serving.TextCodec(parameters["tokenizer_dir"]) if parameters.get("tokenizer_dir") else None
 
     def execute(self, requests):
         for request in requests:
@@ -193,10 +263,10 @@ class TritonPythonModel:
         if get("control") is not None:
             self.control(get, sender)
             return
+        arrival = Timing()
         try:
-            parsed = serving.parse_request(get, self.defaults, self.limits)
-            self.pipeline.check_request(parsed.prompt_ids, parsed.options, serving.INPUT_NAMES)
-            live = self.generations.start()
+            items = self.parse(get)
+            lives = [self.generations.start() for _ in items]
         except ValueError as error:  # RequestError, or a value the options reject
             self.metrics.count_request("rejected")
             send_error(sender, str(error), pb_utils.TritonError.INVALID_ARG)
@@ -205,42 +275,65 @@ class TritonPythonModel:
             self.metrics.count_request("refused_shutting_down")
             send_error(sender, str(error), pb_utils.TritonError.UNAVAILABLE)
             return
-        if self.pipeline.queued >= self.max_queue:
-            self.generations.end(live.generation_id)
+        if self.pipeline.queued + len(items) > self.max_queue:
+            for live in lives:
+                self.generations.end(live.generation_id)
             self.metrics.count_request("refused_queue_full")
-            send_error(sender, f"the server has {self.max_queue} requests waiting already; try again later",
-                       pb_utils.TritonError.UNAVAILABLE)
+            send_error(sender, f"the server has {self.max_queue} requests waiting "
+                       "already; try again later", pb_utils.TritonError.UNAVAILABLE)
             return
-        self.metrics.change_in_flight(1)
-        self.generate(request, sender, parsed, live)
+        replies = Replies(request, sender, len(items), self.decoupled, self.outbox)
+        for parsed, live in zip(items, lives):
+            self.metrics.change_in_flight(1)
+            self.generate(request, replies, parsed, live, replace(arrival))
 
-    def generate(self, request, sender, parsed, live) -> None:
-        """Queue the request with the scheduler; every path ends it with FINAL."""
+    def parse(self, get) -> list:
+        """Every prompt of the request, checked before any starts (RequestError names the input)."""
+        items = serving.parse_batch(get, self.defaults, self.limits, self.codec.encode if self.codec else None)
+        if not self.decoupled and any(item.stream for item in items):
+            raise serving.RequestError("input 'stream' true needs the decoupled model (decoupled_mode true): "
+                                       "this server answers each request once")
+        if not self.decoupled and len(items) > 1:
+            raise serving.RequestError(f"a request of {len(items)} prompts needs the decoupled model (decoupled_mode "
+                                       "true): this server answers each request once, so send them one by one")
+        for item in items:
+            self.pipeline.check_request(item.prompt_ids, item.options, serving.INPUT_NAMES)
+        return items
+
+    def generate(self, request, replies, parsed, live, timing) -> None:
+        """Queue one prompt with the scheduler; every path ends it with a final response."""
         id_array = np.array([[live.generation_id]], dtype=np.uint64)
         client_cancelled = polled(request.is_cancelled, CANCEL_POLL_S)  # when called directly
         try:
             outcome = start_request(
                 self.pipeline, parsed,
-                lambda arrays, final: send_arrays(sender, {**arrays, "generation_id": id_array}, final),
-                stop_reason=stop_reason(live, client_cancelled))
+                lambda arrays, final: replies.send({**arrays, "generation_id": id_array}, final),
+                stop_reason=stop_reason(live, client_cancelled),
+                decode=self.codec.decode if parsed.text else None, timing=timing)
         except Exception as error:  # noqa: BLE001 - refused before it was queued
-            self.failed(sender, live, error)
+            self.failed(replies, live, error)
             return
-        outcome.add_done_callback(lambda done: self.ended(sender, live, done))
+        outcome.add_done_callback(lambda done: self.ended(replies, live, done))
 
-    def ended(self, sender, live, done) -> None:
-        """In the scheduler's thread, once the final response went out (or failed)."""
+    def ended(self, replies, live, done) -> None:
+        """In the scheduler's thread, once the final response was handed to the outbox (or
+        failed); the request ends after that response is sent."""
         error = done.exception()
         if error is not None:
-            self.failed(sender, live, error)
+            self.failed(replies, live, error)
             return
-        self.metrics.record(done.result())
-        self.generations.end(live.generation_id)
-        self.metrics.change_in_flight(-1)
+        self.outbox.post(lambda: self.forget(live, done.result()))
 
-    def failed(self, sender, live, error: BaseException) -> None:
-        self.metrics.count_request("failed")
-        send_error(sender, f"generation failed: {type(error).__name__}: {error}", pb_utils.TritonError.INTERNAL)
+    def failed(self, replies, live, error: BaseException) -> None:
+        replies.error(f"generation failed: {type(error).__name__}: {error}", pb_utils.TritonError.INTERNAL)
+        self.outbox.post(lambda: self.forget(live, None))
+
+    def forget(self, live, outcome) -> None:
+        """The request is over: its figures (None: it failed) and its registration."""
+        if outcome is None:
+            self.metrics.count_request("failed")
+        else:
+            self.metrics.record(outcome)
         self.generations.end(live.generation_id)
         self.metrics.change_in_flight(-1)
 
@@ -269,3 +362,4 @@ class TritonPythonModel:
         # gets its final response.
         self.generations.stop_all(lifecycle.SHUTDOWN)
         self.pipeline.close()
+        self.outbox.close()  # every response handed over is sent

@@ -125,14 +125,18 @@ class VerifyStep:
     draft_probs: torch.Tensor | None   # [K, V]; None when greedy
     uniforms: torch.Tensor             # [K + 1]
     sampling: SamplingParams
+    logprobs: bool = False             # also return the committed tokens' log-probabilities
 
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """A round's outcome: `accepted` drafts (0..K), then the target's `bonus` token."""
+    """A round's outcome: `accepted` drafts (0..K), then the target's `bonus` token; with
+    `logprobs` asked for, the target's log-probability of each of those `accepted + 1`
+    tokens (`saguaro.runtime.logprobs`)."""
 
     accepted: int
     bonus: int
+    logprobs: tuple[float, ...] | None = None
 
 
 class Engine(Protocol):

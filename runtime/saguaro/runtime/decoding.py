@@ -29,6 +29,7 @@ from saguaro.runtime.verifier import Verifier
 
 OnTokens = Callable[[list[int]], None]
 Cancelled = Callable[[], bool]
+OnStart = Callable[[GenerationStats], None]
 
 
 @dataclass
@@ -39,6 +40,11 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     on_tokens: OnTokens | None = None
     cancelled: Cancelled = lambda: False
+    # Given a list, each committed token's log-probability under the target is appended
+    # to it (before `on_tokens` hears of the token); see `saguaro.runtime.logprobs`.
+    logprobs: list[float] | None = None
+    # Told once, when the request joins a batch, of the stats its rounds will update.
+    on_start: OnStart | None = None
 
 
 @dataclass
@@ -57,18 +63,21 @@ class Output:
         self.ids, self.new = list(request.prompt_ids), []
         self.max_tokens, self.max_context = request.options.max_tokens, max_context
         self.eos, self.on_tokens = request.eos_token_ids, request.on_tokens
+        self.logprobs = request.logprobs
         self.finish_reason = None
 
     @property
     def room(self) -> int:
         return min(self.max_tokens - len(self.new), self.max_context - len(self.ids))
 
-    def commit(self, tokens: list[int]) -> None:
+    def commit(self, tokens: list[int], logprobs: tuple[float, ...] | None = None) -> None:
         tokens = tokens[:self.room]
         ends = [i for i, token in enumerate(tokens) if token in self.eos]
         if ends:
             tokens = tokens[:ends[0] + 1]
             self.finish_reason = "eos"
+        if self.logprobs is not None:
+            self.logprobs += list(logprobs or ())[:len(tokens)]
         self.ids += tokens
         self.new += tokens
         if self.on_tokens and tokens:
@@ -99,6 +108,8 @@ class Sequence:
         self.plan = Plan(self.k)  # the load policy's, each round
         self.verified = 0               # drafts the last round verified
         self.started = time.perf_counter()
+        if request.on_start is not None:
+            request.on_start(self.stats)
 
     @property
     def done(self) -> bool:
@@ -140,15 +151,15 @@ class Sequence:
 
     def verification(self) -> VerifyStep:
         self.verified = self.round_draft_tokens
-        return self.verifier.round(self.out.ids, self.proposal, self.verified)
+        return self.verifier.round(self.out.ids, self.proposal, self.verified, self.request.logprobs is not None)
 
     def commit(self, outcome: VerifyResult, speculation: SpeculationCache | None, verify_s: float) -> bool | None:
         """The round's outcome: keep it, then look it up among the pre-speculated drafts
         (returns whether the lookup hit; None without one)."""
         drafted = self.round_proposal.tokens
         self.verifier.keep(self.out.ids, outcome)
-        self.stats.record_round(outcome.accepted)
-        self.out.commit(drafted[:outcome.accepted].tolist() + [outcome.bonus])
+        self.stats.record_round(outcome.accepted, len(drafted))
+        self.out.commit(drafted[:outcome.accepted].tolist() + [outcome.bonus], outcome.logprobs)
         self.proposal = None if self.k and self.plan.draft_tokens else self.empty
         if self.done or speculation is None:
             return None

@@ -15,7 +15,7 @@ import torch
 
 from saguaro.runtime.checkpoint import check_pair_compatible
 from saguaro.runtime.contracts import RequestTarget
-from saguaro.runtime.decoding import Cancelled, Decoder, Generation, OnTokens, Request
+from saguaro.runtime.decoding import Cancelled, Decoder, Generation, OnStart, OnTokens, Request
 from saguaro.runtime.scheduler import Scheduler
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.torch_engine import TorchEngine
@@ -172,11 +172,17 @@ class Pipeline:
                 raise RequestError(str(error)) from error
 
     def request(self, prompt_ids: list[int], options: DecodeOptions, sampling: SamplingParams,
-                on_tokens: OnTokens | None = None, cancelled: Cancelled = lambda: False) -> Request:
-        """A checked request with its seed and end tokens fixed (errors name the input)."""
+                on_tokens: OnTokens | None = None, cancelled: Cancelled = lambda: False,
+                logprobs: list[float] | None = None, on_start: OnStart | None = None) -> Request:
+        """A checked request with its seed and end tokens fixed (errors name the input).
+        `logprobs`, `on_start`: see `decoding.Request`."""
         prompt_ids = [int(i) for i in prompt_ids]
         self.check_request(prompt_ids, options)
-        return Request(prompt_ids, options, sampling.with_seed(), self.end_tokens(options), on_tokens, cancelled)
+        if logprobs is not None and isinstance(self.target, RequestTarget):
+            raise RequestError("log-probabilities are not returned by a target that decodes requests itself "
+                               "(tensorrt_llm)")
+        return Request(prompt_ids, options, sampling.with_seed(), self.end_tokens(options), on_tokens, cancelled,
+                       logprobs, on_start)
 
     def end_tokens(self, options: DecodeOptions) -> frozenset[int]:
         """The model's end-of-generation tokens, or the one a request names (-1: none)."""

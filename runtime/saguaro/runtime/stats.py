@@ -12,6 +12,7 @@ class GenerationStats:
     num_draft_tokens: int
     tokens: int = 0
     rounds: int = 0
+    drafted_tokens: int = 0  # drafts verified, over all rounds (the load policy may vary K per round)
     accepted_histogram: list[int] = field(default_factory=list)  # index a: rounds that accepted a drafts
     cache_hits: int = 0
     cache_misses: int = 0
@@ -27,9 +28,14 @@ class GenerationStats:
         if not self.accepted_histogram:
             self.accepted_histogram = [0] * (self.num_draft_tokens + 1)
 
-    def record_round(self, accepted: int) -> None:
+    def record_round(self, accepted: int, drafted: int = 0) -> None:
         self.rounds += 1
+        self.drafted_tokens += drafted
         self.accepted_histogram[accepted] += 1
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(a * n for a, n in enumerate(self.accepted_histogram))
 
     @property
     def mean_accepted(self) -> float:

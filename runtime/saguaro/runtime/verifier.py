@@ -23,15 +23,16 @@ class Verifier:
             return None
         return Step(self.cache, torch.tensor(prompt_ids[:-1]), torch.arange(len(prompt_ids) - 1))
 
-    def round(self, ids: list[int], draft: Draft, num_tokens: int) -> VerifyStep:
-        """Verification of the first `num_tokens` drafts after the committed `ids`."""
+    def round(self, ids: list[int], draft: Draft, num_tokens: int, logprobs: bool = False) -> VerifyStep:
+        """Verification of the first `num_tokens` drafts after the committed `ids`
+        (`logprobs`: the target's log-probabilities of the committed tokens too)."""
         start = len(ids) - 1
         drafts = draft.tokens[:num_tokens]
         tokens = torch.cat((torch.tensor([ids[-1]]), drafts))
         positions = torch.arange(start, start + num_tokens + 1)
         uniforms = verification_uniforms(self.sampling, positions[1:], first_new=len(ids))
         probs = None if draft.probs is None else draft.probs[:num_tokens]
-        return VerifyStep(Step(self.cache, tokens, positions), drafts, probs, uniforms, self.sampling)
+        return VerifyStep(Step(self.cache, tokens, positions), drafts, probs, uniforms, self.sampling, logprobs)
 
     def keep(self, ids: list[int], outcome: VerifyResult) -> None:
         self.cache.truncate(len(ids) + outcome.accepted)  # roll back the rejected drafts

@@ -106,7 +106,8 @@ def absorb(completion: Completion, result) -> bool:
         completion.text += piece
     if first(result, "finish_reason") is not None:
         completion.finish_reason = first(result, "finish_reason")
-        completion.accepted_histogram = result.as_numpy("accepted_histogram").reshape(-1).tolist()
+        histogram = result.as_numpy("accepted_histogram")  # None when not asked for
+        completion.accepted_histogram = [] if histogram is None else histogram.reshape(-1).tolist()
         completion.cache_hits = first(result, "cache_hits")
         completion.cache_misses = first(result, "cache_misses")
         completion.tokens_per_s = first(result, "tokens_per_s")
@@ -121,14 +122,15 @@ def final_flag(result) -> bool:
 
 
 def stream_responses(client: grpcclient.InferenceServerClient, model: str, inputs,
-                     timeout_s: float = 120.0) -> Iterator:
+                     timeout_s: float = 120.0, outputs: tuple[str, ...] | None = None) -> Iterator:
     """Send one request on a fresh stream and yield its responses up to the final one;
     CompletionError if the server answers with an error or falls silent for `timeout_s`."""
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
         try:
-            client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+            requested = None if outputs is None else [grpcclient.InferRequestedOutput(name) for name in outputs]
+            client.async_stream_infer(model, inputs, outputs=requested, enable_empty_final_response=True)
         except InferenceServerException as error:  # the stream broke at once (nothing listening): say why
             raise CompletionError(str(responses.get_nowait()[1] if not responses.empty() else error)) from None
         while True:
@@ -146,10 +148,11 @@ def stream_responses(client: grpcclient.InferenceServerClient, model: str, input
 
 
 def complete(client: grpcclient.InferenceServerClient, inputs, on_text: Callable[[str], None] | None = None,
-             timeout_s: float = 120.0, model: str = MODEL) -> Completion:
-    """Send one request on a fresh stream and gather its responses until the final one."""
+             timeout_s: float = 120.0, model: str = MODEL, outputs: tuple[str, ...] | None = None) -> Completion:
+    """Send one request on a fresh stream and gather its responses until the final one
+    (`outputs`: only these, e.g. from the `ssd` model called directly)."""
     completion = Completion(started_s=time.monotonic())
-    for result in stream_responses(client, model, inputs, timeout_s):
+    for result in stream_responses(client, model, inputs, timeout_s, outputs):
         pieces_before = len(completion.pieces)
         absorb(completion, result)
         if on_text and len(completion.pieces) > pieces_before:

@@ -25,11 +25,8 @@ IGNORED = {
     "pad_id": "nothing is padded: every response carries exactly its own tokens",
     "length_penalty": "it scores beams, and one sequence has no beams to score (as in TensorRT-LLM with "
                       "beam_width 1)",
-    "return_perf_metrics": "the final response always carries the SSD figures (accepted_histogram, "
-                           "cache_hits, cache_misses, tokens_per_s); TensorRT-LLM's KV-cache and timing "
-                           "outputs are not produced",
-    "return_num_input_tokens": "num_input_tokens is always on the final response",
-    "return_num_output_tokens": "num_output_tokens is always on the final response",
+    "return_num_input_tokens": "num_input_tokens is on every response",
+    "return_num_output_tokens": "num_output_tokens is on every response",
 }
 
 
@@ -67,8 +64,6 @@ NEUTRAL_ONLY = {
     "embedding_bias_weights": NeutralOnly(empty, "empty", LOSSLESS),
     "guided_decoding_guide_type": NeutralOnly(empty, "empty", GUIDED),
     "guided_decoding_guide": NeutralOnly(empty, "empty", GUIDED),
-    "return_log_probs": NeutralOnly(equals(False), "false", "the engines' fused verification returns "
-                                                            "accepted tokens, not probabilities"),
     "return_context_logits": NeutralOnly(equals(False), "false", "the engines return no logits to the server"),
     "return_generation_logits": NeutralOnly(equals(False), "false", "the engines return no logits to the "
                                                                     "server"),

@@ -1,10 +1,11 @@
-"""Serve SSD with a real Triton Inference Server on 127.0.0.1 until interrupted.
+"""Serve SSD with a real Triton Inference Server (and an OpenAI-compatible API) until interrupted.
 
     python scripts/serve.py --engines engines/tiny
+    python scripts/serve.py --engines engines/tiny --host 0.0.0.0 --openai-port 9000
     python scripts/serve.py --target models/tiny/target --draft models/tiny/draft --grpc-port 9001
 
 Installs nothing. The server is the `tritonserver` (2.51) bundled in the nvidia-pytriton
-wheel, with its Python backend (see shared/triton-on-cpu.md). This script prepares a run
+wheel, with its Python backend. This script prepares a run
 folder (filled model repository, backend folder, log), starts the server with the
 library path its Python stub needs, waits until it is ready and prints one line.
 
@@ -42,6 +43,8 @@ import tritonclient.grpc as grpcclient
 from saguaro.serving.client import CompletionError, infer_inputs, stream_responses
 from saguaro.serving.lifecycle import CONTROL_TOKEN_ENV, STOP_GRACE_S, DrainReport, drain_inputs
 from saguaro.serving.model_repo import add_source_arguments, prepare_model_repo, values_from_args
+from saguaro.serving.openai_server import FrontEnd, OpenAIServer, ServedModel
+from saguaro.serving.ssd_stream import SsdStream
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "triton_python_backend_shm_region_"
@@ -109,10 +112,29 @@ def server_environment(install: TritonInstall) -> dict[str, str]:
     return env
 
 
+LOCALHOST = "127.0.0.1"
+WILDCARDS = {"0.0.0.0", "::", ""}
+
+
 def free_port() -> int:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((LOCALHOST, 0))
         return probe.getsockname()[1]
+
+
+def local_address(host: str) -> str:
+    """Where this machine reaches a server bound to `host`: a wildcard bind (every
+    interface) answers on the loopback; any other address is itself."""
+    return LOCALHOST if host in WILDCARDS else host
+
+
+def check_host(host: str) -> str:
+    """The bind address, checked before anything starts (ValueError names it)."""
+    try:
+        socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError) as error:
+        raise ValueError(f"--host {host!r} is not an address or host name this machine resolves: {error}") from None
+    return host
 
 
 @dataclass(frozen=True)
@@ -164,6 +186,7 @@ class TritonServer:
     model_repo: Path
     run_dir: Path
     ports: Ports = field(default_factory=Ports)
+    host: str = LOCALHOST  # the bind address of all three endpoints
     shm_prefix: str = field(default_factory=lambda: f"{SHM_PREFIX}saguaro_{uuid.uuid4().hex[:8]}_")
     control_token: str = field(default_factory=lambda: secrets.token_hex(16))
     process: subprocess.Popen | None = None
@@ -177,8 +200,13 @@ class TritonServer:
     def log_path(self) -> Path:
         return self.run_dir / "tritonserver.log"
 
+    @property
+    def address(self) -> str:
+        """Where the launcher (and local clients) reach the server."""
+        return local_address(self.host)
+
     def command(self, install: TritonInstall, backends: Path) -> list[str]:
-        address = "127.0.0.1"
+        address = self.host
         guarded = [sys.executable, "-m", "saguaro.serving.guarded_exec", str(os.getpid())]
         return guarded + [
             str(install.server), f"--model-repository={self.model_repo}", f"--backend-directory={backends}",
@@ -205,7 +233,7 @@ class TritonServer:
 
     def is_ready(self) -> bool:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.ports.http}/v2/health/ready", timeout=2) as reply:
+            with urllib.request.urlopen(f"http://{self.address}:{self.ports.http}/v2/health/ready", timeout=2) as reply:
                 return reply.status == 200
         except OSError:
             return False
@@ -247,21 +275,24 @@ class TritonServer:
 
     def drain(self, timeout_s: float) -> DrainReport:
         """Ask the SSD model to drain (lifecycle.py); CompletionError if it cannot."""
-        with grpcclient.InferenceServerClient(f"127.0.0.1:{self.ports.grpc}") as client:
+        with grpcclient.InferenceServerClient(f"{self.address}:{self.ports.grpc}") as client:
             inputs = infer_inputs(drain_inputs(self.control_token, timeout_s))
             for result in stream_responses(client, "ssd", inputs, timeout_s=timeout_s + STOP_GRACE_S + 10):
                 report = result.as_numpy("drain_report")
         return DrainReport.from_json(report.reshape(-1)[0].decode())
 
-    def stop(self, drain_timeout_s: float | None = DRAIN_TIMEOUT_S) -> StopReport:
-        """Drain (unless `drain_timeout_s` is None), tell Triton to stop (SIGINT: SIGTERM is
-        blocked in it), kill it if it lingers; then remove its shared-memory regions."""
+    def stop(self, drain_timeout_s: float | None = DRAIN_TIMEOUT_S,
+             before_stop: Callable[[], object] = lambda: None) -> StopReport:
+        """Drain (unless `drain_timeout_s` is None), run `before_stop` (the HTTP front end
+        lets its drained requests finish), tell Triton to stop (SIGINT: SIGTERM is blocked
+        in it), kill it if it lingers; then remove its shared-memory regions."""
         started, drained, killed = time.monotonic(), None, False
         if self.running and drain_timeout_s is not None:
             try:
                 drained = self.drain(drain_timeout_s)
             except CompletionError as error:
                 print(f"serve: the drain request failed, stopping without it: {error}", file=sys.stderr)
+        before_stop()
         if self.running:
             self.signals_sent.add(int(signal.SIGINT))
             self.process.send_signal(signal.SIGINT)
@@ -315,11 +346,25 @@ class TritonServer:
 
 
 def serve(values: dict[str, str], run_dir: Path, ports: Ports,
-          interrupted: Callable[[], bool] = lambda: False) -> TritonServer:
+          interrupted: Callable[[], bool] = lambda: False, host: str = LOCALHOST) -> TritonServer:
     """Prepare `run_dir` (model repository, backends, log) and start a ready server."""
     run_dir.mkdir(parents=True, exist_ok=True)
     model_repo = prepare_model_repo(run_dir / "model_repo", values)
-    return TritonServer(model_repo, run_dir, ports).start(interrupted=interrupted)
+    return TritonServer(model_repo, run_dir, ports, host).start(interrupted=interrupted)
+
+
+def default_model_name(values: dict[str, str]) -> str:
+    """What the OpenAI API calls the model unless --served-model-name says: the engine
+    folder's name (or the target checkpoint's)."""
+    return Path(values["engines_dir"] or values["target_dir"]).name
+
+
+def start_openai(values: dict[str, str], server: TritonServer, host: str, port: int, name: str,
+                 chat_template: str | None = None):
+    """The OpenAI-compatible front end, talking to `server`'s gRPC endpoint."""
+    model = ServedModel.load(name, Path(values["tokenizer_dir"]), int(values["max_context"]), chat_template)
+    front = FrontEnd(model, SsdStream(f"{server.address}:{server.ports.grpc}"))
+    return OpenAIServer(front, host, port).start()
 
 
 @dataclass
@@ -362,13 +407,40 @@ def summary(cause: str, report: StopReport) -> str:
     return f"stopped ({cause}) in {report.seconds:.1f} s: {drained}; {ending}"
 
 
+def read_chat_template(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text()
+    except OSError as error:
+        raise ValueError(f"--chat-template {path}: {error.strerror}") from None
+
+
+def ready_line(args: argparse.Namespace, server: TritonServer, openai) -> str:
+    host = server.host
+    line = (f"ready: model 'ensemble' on gRPC {host}:{args.grpc_port}, HTTP {host}:{args.http_port}, "
+            f"metrics http://{host}:{args.metrics_port}/metrics")
+    if openai is not None:
+        line += f", OpenAI API http://{host}:{args.openai_port}/v1 (model '{openai.front.model.name}')"
+    return line + f" (tritonserver pid {server.process.pid}, log {server.log_path})"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="serve.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_source_arguments(parser)
+    parser.add_argument("--host", default=LOCALHOST,
+                        help="bind address of Triton's gRPC, HTTP and metrics endpoints and of the OpenAI API "
+                             f"(default {LOCALHOST}; 0.0.0.0: every interface)")
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--openai-port", type=int, default=0,
+                        help="port of the OpenAI-compatible HTTP API (/v1/chat/completions ...); 0: off (default)")
+    parser.add_argument("--served-model-name",
+                        help="the model's name in the OpenAI API (default: the engine folder's name)")
+    parser.add_argument("--chat-template", type=Path, metavar="FILE",
+                        help="a Jinja chat template for the OpenAI API's chat endpoint, instead of the model's own")
     parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S, metavar="S",
                         help="on a stop, how long requests in flight may run on before they are cut short")
     parser.add_argument("--run-dir", type=Path, help="default: .triton/<grpc port> in the current directory")
@@ -380,6 +452,10 @@ def main(argv=None) -> int:
     try:
         if args.drain_timeout < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+        if not 0 <= args.openai_port < 65536:
+            raise ValueError(f"--openai-port must be a port number (0: off), got {args.openai_port}")
+        check_host(args.host)
+        chat_template = read_chat_template(args.chat_template)
         values = values_from_args(args)
     except ValueError as error:
         print(f"serve: {error}", file=sys.stderr)
@@ -389,22 +465,31 @@ def main(argv=None) -> int:
     for stop_signal in (signal.SIGINT, signal.SIGTERM):  # explicit: a background job ignores SIGINT
         signal.signal(stop_signal, stop.record)
     try:
-        server = serve(values, run_dir, Ports(args.grpc_port, args.http_port, args.metrics_port), stop.requested)
+        server = serve(values, run_dir, Ports(args.grpc_port, args.http_port, args.metrics_port), stop.requested,
+                       args.host)
     except RuntimeError as error:
         print(f"serve: {error}", file=sys.stderr)
         return 1
     except Interrupted:  # start() has stopped the server
         return 0
-    print(f"ready: model 'ensemble' on gRPC 127.0.0.1:{args.grpc_port}, HTTP 127.0.0.1:{args.http_port}, "
-          f"metrics http://127.0.0.1:{args.metrics_port}/metrics (tritonserver pid {server.process.pid}, "
-          f"log {server.log_path})", flush=True)
+    try:
+        openai = start_openai(values, server, args.host, args.openai_port,
+                              args.served_model_name or default_model_name(values),
+                              chat_template) if args.openai_port else None
+    except (RuntimeError, OSError) as error:
+        print(f"serve: {error}", file=sys.stderr)
+        server.stop(drain_timeout_s=None)
+        return 1
+    print(ready_line(args, server, openai), flush=True)
     cause = wait_for_stop(server, stop)
     if cause == "tritonserver stopped by itself":
         report = server.stop(drain_timeout_s=None)
         print(f"serve: {summary(cause, report)}\n{server.log_tail()}", file=sys.stderr)
         return 1
     print(f"stopping ({cause}): draining for up to {args.drain_timeout:g} s", flush=True)
-    report = server.stop(args.drain_timeout)
+    if openai is not None:
+        openai.refuse_new()  # 503 from here on; the requests in flight drain with the model's
+    report = server.stop(args.drain_timeout, before_stop=lambda: openai and openai.stop(STOP_GRACE_S))
     print(summary(cause, report), flush=True)
     if not server.stopped_cleanly:
         return 1

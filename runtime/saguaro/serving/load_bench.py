@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -25,11 +26,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import tritonclient.grpc as grpcclient
 
 from saguaro.runtime.bench import PROMPTS
 from saguaro.runtime.arguments import DECODE_DEFAULTS
-from saguaro.serving.client import complete, ensemble_inputs
+from saguaro.serving.client import complete, ensemble_inputs, tensor
+from saguaro.serving.cpu_profile import server_processes, snapshot, spent
 from saguaro.serving.launch import Ports, serve
 from saguaro.serving.launch import parse_args as serve_args
 from saguaro.serving.model_repo import values_from_args
@@ -70,6 +73,7 @@ class Level:
     ttft_ms_p99: float
     mean_batch: float
     mean_k: float
+    cpu_ms_per_token: dict  # CPU time of each process (the server's, the client) per output token
 
 
 def percentile(values: list[float], share: float) -> float:
@@ -77,13 +81,31 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(share * (len(ordered) - 1))))] if ordered else float("nan")
 
 
-def one_request(url: str, prompt: str, max_tokens: int, inputs: dict):
-    """(output tokens, time to first token s, inter-token latency s) of one streamed request."""
-    client = grpcclient.InferenceServerClient(url)
-    try:
-        completion = complete(client, ensemble_inputs(prompt, max_tokens, True, end_id=-1, **inputs))
-    finally:
-        client.close()
+# Where a request goes: the ensemble (text through the pre/postprocessing models, as
+# tensorrtllm_backend's clients send it), or the `ssd` model itself with text_input (it
+# tokenizes and detokenizes itself, as the llmapi model does: one Python stub per round).
+PATHS = ("ssd", "ensemble")
+SSD_OUTPUTS = ("text_output", "num_output_tokens", "finish_reason")
+
+
+def request_inputs(path: str, prompt: str, max_tokens: int, inputs: dict) -> list:
+    if path == "ensemble":
+        return ensemble_inputs(prompt, max_tokens, True, end_id=-1, **inputs)
+    arrays = {"text_input": [prompt], "max_tokens": [max_tokens], "stream": [True], "end_id": [-1], **inputs}
+    dtypes = {"text_input": object, "max_tokens": np.int32, "stream": bool, "end_id": np.int32,
+              "decoding_mode": object, "num_draft_tokens": np.int32, "temperature": np.float32}
+    return [tensor(name, values if isinstance(values, list) else [values], dtypes[name])
+            for name, values in arrays.items()]
+
+
+def one_request(client, path: str, prompt: str, max_tokens: int, inputs: dict):
+    """(output tokens, time to first token s, inter-token latency s) of one streamed request,
+    on the client's connection (kept open, as load generators do)."""
+    if path == "ensemble":
+        completion = complete(client, request_inputs(path, prompt, max_tokens, inputs))
+    else:
+        completion = complete(client, request_inputs(path, prompt, max_tokens, inputs), model="ssd",
+                              outputs=SSD_OUTPUTS)
     tokens, times = completion.num_output_tokens or 0, completion.response_times_s
     first = times[0]
     itl = (times[-1] - first) / (tokens - 1) if tokens > 1 else 0.0
@@ -91,26 +113,29 @@ def one_request(url: str, prompt: str, max_tokens: int, inputs: dict):
 
 
 def run_level(url: str, metrics_port: int, mode: Mode, concurrency: int, requests: int, max_tokens: int,
-              extra: dict) -> Level:
+              extra: dict, path: str = PATHS[0], processes: dict[str, int] | None = None) -> Level:
     """`concurrency` clients, each keeping one request in flight, `requests` in all."""
     results, lock, next_index = [], threading.Lock(), iter(range(requests))
     errors: list[Exception] = []
 
     def client_loop():
-        while True:
-            with lock:
-                index = next(next_index, None)
-            if index is None or errors:
-                return
-            try:
-                outcome = one_request(url, PROMPTS[index % len(PROMPTS)], max_tokens, {**mode.inputs, **extra})
-            except Exception as error:  # noqa: BLE001 - reported after the level
-                errors.append(error)
-                return
-            with lock:
-                results.append(outcome)
+        with grpcclient.InferenceServerClient(url) as client:
+            while True:
+                with lock:
+                    index = next(next_index, None)
+                if index is None or errors:
+                    return
+                try:
+                    outcome = one_request(client, path, PROMPTS[index % len(PROMPTS)], max_tokens,
+                                          {**mode.inputs, **extra})
+                except Exception as error:  # noqa: BLE001 - reported after the level
+                    errors.append(error)
+                    return
+                with lock:
+                    results.append(outcome)
 
-    before = scrape(metrics_port)
+    processes = {**(processes or {}), "client (this process)": os.getpid()}
+    before, cpu_before = scrape(metrics_port), snapshot(processes)
     started = time.perf_counter()
     threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
     for thread in threads:
@@ -120,13 +145,15 @@ def run_level(url: str, metrics_port: int, mode: Mode, concurrency: int, request
     seconds = time.perf_counter() - started
     if errors:
         raise RuntimeError(f"{mode.name} at concurrency {concurrency}: {errors[0]}")
-    after = scrape(metrics_port)
+    after, cpu = scrape(metrics_port), spent(cpu_before, snapshot(processes))
     tokens = sum(t for t, _, _ in results)
     ttft = [1000 * f for _, f, _ in results]
     itl = [1000 * i for _, _, i in results]
-    return Level(mode.name, concurrency, len(results), tokens, seconds, tokens / seconds,
+    name = mode.name if path == PATHS[0] else f"{mode.name} ({path})"
+    return Level(name, concurrency, len(results), tokens, seconds, tokens / seconds,
                  percentile(itl, 0.5), percentile(itl, 0.99), percentile(ttft, 0.5), percentile(ttft, 0.99),
-                 histogram_mean(before, after, "ssd_batch_size"), histogram_mean(before, after, "ssd_draft_tokens"))
+                 histogram_mean(before, after, "ssd_batch_size"), histogram_mean(before, after, "ssd_draft_tokens"),
+                 {name: round(1000 * seconds / max(tokens, 1), 4) for name, seconds in cpu.items()})
 
 
 def serve_for(engines: Path, batching: str, run_dir: Path, max_concurrency: int | None):
@@ -154,14 +181,27 @@ def run_modes(args, modes: list[Mode], extra: dict, concurrency: tuple[int, ...]
             print(f"[{label}] starting a server (batching {batching}) ...", flush=True)
             with serve_for(args.engines, batching, Path(run_dir), args.max_concurrency) as server:
                 url = f"127.0.0.1:{server.ports.grpc}"
+                processes = server_processes(server.process.pid)
                 for mode in [m for m in modes if m.batching == batching]:
-                    run_level(url, server.ports.metrics, mode, 1, 2, args.max_tokens, extra)  # warm-up
-                    for c in concurrency:
-                        level = run_level(url, server.ports.metrics, mode, c, max(args.min_requests, 2 * c),
-                                          args.max_tokens, extra)
-                        print_level(level)
-                        levels.append(level)
+                    for path in args.paths:
+                        run_level(url, server.ports.metrics, mode, 1, 2, args.max_tokens, extra, path)  # warm-up
+                        for c in concurrency:
+                            level = run_level(url, server.ports.metrics, mode, c, max(args.min_requests, 2 * c),
+                                              args.max_tokens, extra, path, processes)
+                            print_level(level)
+                            levels.append(level)
     return levels
+
+
+def print_cpu(levels: list[Level]) -> None:
+    """Where the CPU went: ms of CPU per output token, by process."""
+    names = list(dict.fromkeys(name for level in levels for name in level.cpu_ms_per_token))
+    print("\nCPU per output token (ms), by process:")
+    print(f"{'mode':26s} {'C':>4s} " + " ".join(f"{name:>16s}" for name in names) + f" {'all':>8s} {'wall':>8s}")
+    for level in levels:
+        cpu = level.cpu_ms_per_token
+        print(f"{level.mode:26s} {level.concurrency:4d} " + " ".join(f"{cpu.get(name, 0):16.3f}" for name in names)
+              + f" {sum(cpu.values()):8.3f} {1000 / level.tokens_per_s:8.3f}")
 
 
 def figure(levels: list[Level], mode: str, concurrency: int, field: str) -> float | None:
@@ -239,6 +279,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-concurrency", type=int, help="the servers' KV slots used (default: all)")
     parser.add_argument("--modes", default=",".join(m.key for m in MODES),
                         help="which modes, of " + ", ".join(m.key for m in MODES) + " (default all)")
+    parser.add_argument("--paths", default=PATHS[0],
+                        help="where requests go, of " + ", ".join(PATHS) + " (default %(default)s): the ssd model "
+                             "with text_input, or the ensemble (text through the pre/postprocessing models)")
     parser.add_argument("--no-sampled", action="store_true", help="skip the temperature 0.8 check at C=1")
     parser.add_argument("--out", type=Path, default=Path(".triton/bench_serving"), help="JSON and PNG go here")
     args = parser.parse_args(argv)
@@ -251,6 +294,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
     args.modes = [known[key] for key in args.modes.split(",")]
+    args.paths = args.paths.split(",")
+    if set(args.paths) - set(PATHS):
+        parser.error(f"--paths: choose from {', '.join(PATHS)}; got {','.join(args.paths)}")
     if min(args.concurrency) < 1 or args.max_tokens < 2:
         parser.error("--concurrency values must be >= 1 and --max-tokens >= 2")
     if not (args.engines / "manifest.json").is_file():
@@ -266,6 +312,7 @@ def main(argv=None) -> int:
     levels = run_modes(args, args.modes, {}, args.concurrency, "greedy")
     batched = [mode for mode in args.modes if mode.batching == "iteration"]
     sampled = [] if args.no_sampled else run_modes(args, batched, {"temperature": 0.8}, (1,), "temperature 0.8")
+    print_cpu(levels)
     print_targets(levels, sampled)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "load.json").write_text(json.dumps({"greedy": [asdict(level) for level in levels],

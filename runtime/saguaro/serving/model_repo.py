@@ -30,6 +30,9 @@ from saguaro.runtime.pipeline import BATCHING
 
 PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
 DEFAULT_MAX_QUEUE = 1024
+# Prompts one request may hold (tensorrtllm_backend's triton_max_batch_size); each runs as a
+# request of its own in the scheduler, so this bounds a request, not the KV slots.
+DEFAULT_TRITON_MAX_BATCH_SIZE = 8
 
 
 def templates_dir() -> Path:
@@ -106,7 +109,9 @@ def default_options(source: ModelSource, mode: str, num_draft_tokens: int | None
 
 
 def template_values(source: ModelSource, options: DecodeOptions, max_concurrency: int | None,
-                    max_queue: int, batching: str = BATCHING[0]) -> dict[str, str]:
+                    max_queue: int, batching: str = BATCHING[0],
+                    triton_max_batch_size: int = DEFAULT_TRITON_MAX_BATCH_SIZE,
+                    decoupled: bool = True) -> dict[str, str]:
     def text(value) -> str:
         return "" if value is None else str(value)
 
@@ -117,7 +122,8 @@ def template_values(source: ModelSource, options: DecodeOptions, max_concurrency
             "default_num_draft_tokens": str(options.num_draft_tokens),
             "default_fanout": ",".join(map(str, options.fanout)), "default_budget": text(options.budget),
             "default_adapt_k": str(options.adapt_k).lower(),
-            "max_concurrency": text(max_concurrency), "max_queue": str(max_queue), "batching": batching}
+            "max_concurrency": text(max_concurrency), "max_queue": str(max_queue), "batching": batching,
+            "triton_max_batch_size": str(triton_max_batch_size), "decoupled_mode": str(decoupled).lower()}
 
 
 def fill(template: str, values: dict[str, str], where: str) -> str:
@@ -174,6 +180,13 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests decoded together (default: the engines' KV slots, their max_batch)")
     parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                         help=f"requests waiting beyond those; more are refused (default {DEFAULT_MAX_QUEUE})")
+    triton = parser.add_argument_group("the model repository, as tensorrtllm_backend's fill_template.py sets it")
+    triton.add_argument("--triton-max-batch-size", type=int, default=DEFAULT_TRITON_MAX_BATCH_SIZE,
+                        help="prompts one request may hold (batched requests get one response per prompt, "
+                             f"each with its batch_index; default {DEFAULT_TRITON_MAX_BATCH_SIZE})")
+    triton.add_argument("--decoupled-mode", choices=("true", "false"), default="true",
+                        help="true: streaming, one response per round (default); false: one response per "
+                             "request (Triton's non-streaming API)")
 
 
 def source_from_args(args: argparse.Namespace) -> ModelSource:
@@ -194,9 +207,12 @@ def values_from_args(args: argparse.Namespace) -> dict[str, str]:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.triton_max_batch_size < 1:
+        raise ValueError(f"--triton-max-batch-size must be >= 1, got {args.triton_max_batch_size}")
     options = default_options(source, args.mode, args.num_draft_tokens, args.fanout, args.budget,
                               adapt_k=not args.fixed_k)
-    return template_values(source, options, args.max_concurrency, args.max_queue, args.batching)
+    return template_values(source, options, args.max_concurrency, args.max_queue, args.batching,
+                           args.triton_max_batch_size, args.decoupled_mode == "true")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -76,6 +76,40 @@ class ServingRequest:
     stream: bool = False
     stop_sequences: list[list[int]] = field(default_factory=list)
     exclude_input: bool = True  # False: a non-streamed completion repeats the prompt first
+    logprobs: bool = False      # return_log_probs: the target's log-probability of each token
+    perf_metrics: bool = False  # return_perf_metrics: tensorrtllm_backend's figures on every response
+    batch_index: int = 0        # which item of a batched request this is
+    batched: bool = False       # one of several prompts of a request
+    text: bool = False          # sent as text_input: the model detokenizes its responses itself
+
+
+def batch_size(get: GetInput) -> int:
+    """Items in a request: the leading dimension of its prompt (tensorrtllm_backend's
+    batched requests, `--batch-inputs`)."""
+    for name in ("input_ids", "text_input"):
+        array = get(name)
+        if array is not None and np.ndim(array) > 0:
+            return max(1, np.shape(array)[0])
+    return 1
+
+
+def batch_item(get: GetInput, index: int, size: int) -> GetInput:
+    """The inputs of one item of a batched request: each input's row `index` (an input
+    given once, with a leading dimension of 1, applies to every item)."""
+    if size == 1:
+        return get
+
+    def item(name):
+        array = get(name)
+        if array is None:
+            return None
+        array = np.asarray(array)
+        if array.ndim == 0 or array.shape[0] == 1:
+            return array
+        if array.shape[0] != size:
+            raise RequestError(f"input '{name}' has {array.shape[0]} rows in a request of batch size {size}")
+        return array[index:index + 1]
+    return item
 
 
 def scalar(get: GetInput, name: str):
@@ -128,6 +162,12 @@ def check_prompt_fits(prompt_length: int, max_context: int, input_name: str) -> 
 
 def parse_prompt(get: GetInput, limits: ModelLimits) -> list[int]:
     prompt_ids = ids_of(get, "input_ids")
+    length = scalar(get, "input_lengths")  # a batch's prompts come padded to the longest
+    if prompt_ids is not None and length is not None:
+        if not 0 <= length <= len(prompt_ids):
+            raise RequestError(f"input 'input_lengths' = {length} is not in [0, {len(prompt_ids)}] "
+                               f"(the ids given)")
+        prompt_ids = prompt_ids[:length]
     if not prompt_ids:
         raise RequestError("input 'input_ids' is empty: give at least one token")
     check_prompt_fits(len(prompt_ids), limits.max_context, "input_ids")
@@ -179,7 +219,28 @@ def check_min_length(get: GetInput, options: DecodeOptions, limits: ModelLimits)
                        f"(never stop early) to get max_tokens tokens, or leave {name} out")
 
 
-def parse_request(get: GetInput, defaults: DecodeOptions, limits: ModelLimits) -> ServingRequest:
+def parse_top_p(get: GetInput):
+    """tensorrtllm_backend's clients send top_p 0 for "off" (its models read <= 0 so)."""
+    top_p = scalar(get, "top_p")
+    return None if top_p is not None and top_p <= 0 else top_p
+
+
+def text_prompt(get: GetInput, encode: Callable[[str, bool], list[int]]) -> GetInput:
+    """A request sent as `text_input` (the llmapi model's way): its ids, encoded here."""
+    text = scalar(get, "text_input")
+    chat = bool(scalar(get, "chat"))
+    ids = np.array([encode(text if isinstance(text, str) else str(text), chat)], np.int32)
+    return lambda name: ids if name == "input_ids" else get(name)
+
+
+def parse_request(get: GetInput, defaults: DecodeOptions, limits: ModelLimits, index: int = 0,
+                  encode: Callable[[str, bool], list[int]] | None = None) -> ServingRequest:
+    """One request (or one item of a batched request, `index`); `encode` takes requests
+    sent as `text_input` instead of `input_ids`."""
+    as_text = encode is not None and get("input_ids") is None and get("text_input") is not None
+    if as_text:
+        require_inputs(get, {"text_input": "text_input", "max_tokens": "max_tokens"})
+        get = text_prompt(get, encode)
     require_inputs(get, {"input_ids": "input_ids", "max_tokens": "max_tokens"})
     refuse_unhonoured(get)
     prompt_ids = parse_prompt(get, limits)
@@ -198,7 +259,7 @@ def parse_request(get: GetInput, defaults: DecodeOptions, limits: ModelLimits) -
     sampling = build_naming_inputs(SamplingParams, [
         ("temperature", "temperature", scalar(get, "temperature")),
         ("top_k", "top_k", scalar(get, "top_k")),
-        ("top_p", "top_p", scalar(get, "top_p")),
+        ("top_p", "top_p", parse_top_p(get)),
         ("seed", "seed", one_of(get, "seed", "random_seed")),
     ])
     check_min_length(get, options, limits)
@@ -206,7 +267,24 @@ def parse_request(get: GetInput, defaults: DecodeOptions, limits: ModelLimits) -
     exclude_input = scalar(get, "exclude_input_in_output")
     return ServingRequest(prompt_ids, options, sampling, stream=bool(scalar(get, "stream")),
                           stop_sequences=parse_word_list(stop_words) if stop_words is not None else [],
-                          exclude_input=True if exclude_input is None else bool(exclude_input))
+                          exclude_input=True if exclude_input is None else bool(exclude_input),
+                          logprobs=bool(scalar(get, "return_log_probs")),
+                          perf_metrics=bool(scalar(get, "return_perf_metrics")), batch_index=index, text=as_text)
+
+
+def parse_batch(get: GetInput, defaults: DecodeOptions, limits: ModelLimits,
+                encode: Callable[[str, bool], list[int]] | None = None) -> list[ServingRequest]:
+    """Every item of a request, all checked before any starts; an error names the item
+    of a batched request."""
+    size = batch_size(get)
+    requests = []
+    for index in range(size):
+        try:
+            request = parse_request(batch_item(get, index, size), defaults, limits, index, encode)
+            requests.append(replace(request, batched=True) if size > 1 else request)
+        except RequestError as error:
+            raise RequestError(f"batch item {index}: {error}" if size > 1 else str(error)) from None
+    return requests
 
 
 class TextCodec:

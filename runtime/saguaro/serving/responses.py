@@ -9,13 +9,15 @@ response carries the request's stats.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
 
-from saguaro.runtime.detokenizer import prefix_window
+from saguaro.runtime.detokenizer import Decode, prefix_window, text_delta
+from saguaro.runtime.stats import GenerationStats
 from saguaro.serving.requests import ServingRequest
 
 Send = Callable[[dict, bool], None]  # (response arrays, whether this is the final response)
@@ -35,46 +37,103 @@ def row(values, dtype) -> np.ndarray:
     return np.array(values, dtype=dtype).reshape(1, -1)
 
 
+def now_ns() -> int:
+    """The clock of the perf-metric times: steady (CLOCK_MONOTONIC), as TensorRT-LLM's."""
+    return time.monotonic_ns()
+
+
 @dataclass(frozen=True)
 class Summary:
     """What the final response says about the whole request."""
 
     finish_reason: str
     stats: dict
-    input_tokens: int
-    output_tokens: int
 
 
-def response_arrays(new_ids: list[int], prefix_ids: list[int], summary: Summary | None = None
-                    ) -> dict[str, np.ndarray]:
-    """Every output of the SSD model, in every response (an ensemble step needs them all);
-    the summary's outputs are empty until the final response, which is the one with a summary."""
+@dataclass
+class Timing:
+    """tensorrtllm_backend's request times (ns): arrival at the model, joining a batch (its
+    KV slots taken, the prompt about to be prefilled), the first and the latest token."""
+
+    arrival_ns: int = field(default_factory=now_ns)
+    first_scheduled_ns: int = 0
+    first_token_ns: int = 0
+    last_token_ns: int = 0
+
+
+# tensorrtllm_backend's perf-metric outputs (`return_perf_metrics`), every one `[1, 1]`.
+PERF_OUTPUTS = {"kv_cache_alloc_new_blocks": np.int32, "kv_cache_reused_blocks": np.int32,
+                "kv_cache_alloc_total_blocks": np.int32, "arrival_time_ns": np.int64,
+                "first_scheduled_time_ns": np.int64, "first_token_time_ns": np.int64,
+                "last_token_time_ns": np.int64, "acceptance_rate": np.float32,
+                "total_accepted_draft_tokens": np.int32, "total_draft_tokens": np.int32}
+
+
+def perf_values(stats: GenerationStats | None, timing: Timing) -> dict:
+    """The request's perf figures so far. KV "blocks" are the slots it holds, one per
+    engine it runs on (target, and draft when it drafts), allocated when it joins a batch;
+    none is ever reused (no prefix caching). Acceptance is SSD's own: drafts the target
+    accepted over drafts it verified."""
+    drafted = stats.drafted_tokens if stats else 0
+    accepted = stats.accepted_tokens if stats else 0
+    slots = (1 + (stats.num_draft_tokens > 0)) if stats else 0
+    return {"kv_cache_alloc_new_blocks": slots, "kv_cache_reused_blocks": 0, "kv_cache_alloc_total_blocks": slots,
+            "arrival_time_ns": timing.arrival_ns, "first_scheduled_time_ns": timing.first_scheduled_ns,
+            "first_token_time_ns": timing.first_token_ns, "last_token_time_ns": timing.last_token_ns,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "total_accepted_draft_tokens": accepted, "total_draft_tokens": drafted}
+
+
+@dataclass(frozen=True)
+class Response:
+    """One response's content, before it becomes arrays."""
+
+    new_ids: list[int]
+    prefix_ids: list[int]
+    output_tokens: int                      # generated so far
+    logprobs: list[float] | None = None     # of `new_ids`' generated tokens (None: not asked for)
+    cum_logprob: float = 0.0
+    perf: dict | None = None                # None: not asked for
+    text: str | None = None                 # None: the client detokenizes (postprocessing)
+    summary: Summary | None = None          # the final response's
+
+
+def response_arrays(response: Response, request: ServingRequest) -> dict[str, np.ndarray]:
+    """The outputs of one response of the SSD model. Every response carries its tokens and
+    the token counts; the whole request's figures ride on the final one, `batch_index`
+    on those of a batched request (as tensorrtllm_backend sends it), log-probabilities
+    and perf metrics on those of requests that asked. The postprocessing model takes all
+    of these as optional inputs: each tensor a response leaves out is a tensor less to
+    pass between the processes, every round."""
+    summary = response.summary
     stats = summary.stats if summary else {}
 
-    def figure(value, dtype) -> np.ndarray:
-        return row([value] if summary else [], dtype)
-
-    return {
-        "output_ids": row(new_ids, np.int32),
-        "prefix_ids": row(prefix_ids, np.int32),
+    logprobs = response.logprobs
+    arrays = {
+        "output_ids": row(response.new_ids, np.int32),
+        "prefix_ids": row(response.prefix_ids, np.int32),
         "is_final": row([summary is not None], bool),
-        "finish_reason": row([summary.finish_reason.encode()] if summary else [], object),
-        "accepted_histogram": row(stats.get("accepted_histogram", []), np.int32),
-        "cache_hits": figure(stats.get("cache_hits"), np.int32),
-        "cache_misses": figure(stats.get("cache_misses"), np.int32),
-        "tokens_per_s": figure(stats.get("tokens_per_s"), np.float32),
-        "num_input_tokens": figure(summary and summary.input_tokens, np.int32),
-        "num_output_tokens": figure(summary and summary.output_tokens, np.int32),
-        "sampling_seed": figure(stats.get("seed"), np.uint64),
+        "num_input_tokens": row([len(request.prompt_ids)], np.int32),
+        "num_output_tokens": row([response.output_tokens], np.int32),
     }
-
-
-def heartbeat_arrays() -> dict[str, np.ndarray]:
-    """A non-final response with no tokens: it carries no text, and the postprocessing
-    model drops it (no client response), but it makes Triton schedule a postprocessing
-    step, the only step that sees the ensemble request's cancellation (Triton does not
-    cancel a step already running, such as the generation itself)."""
-    return response_arrays([], [])
+    if summary is not None:  # the whole request's figures, on its final response
+        arrays.update({
+            "finish_reason": row([summary.finish_reason.encode()], object),
+            "accepted_histogram": row(stats.get("accepted_histogram", []), np.int32),
+            "cache_hits": row([stats.get("cache_hits")], np.int32),
+            "cache_misses": row([stats.get("cache_misses")], np.int32),
+            "tokens_per_s": row([stats.get("tokens_per_s")], np.float32),
+            "sampling_seed": row([stats.get("seed")], np.uint64)})
+    if request.batched:  # as tensorrtllm_backend: which prompt of a batched request
+        arrays.update({"batch_index": row([request.batch_index], np.int32), "sequence_index": row([0], np.int32)})
+    if logprobs is not None:  # outputs a request did not ask for are left out, not sent empty
+        arrays["cum_log_probs"] = row([response.cum_logprob], np.float32)
+        arrays["output_log_probs"] = np.array(logprobs, np.float32).reshape(1, 1, -1)
+    if response.perf is not None:
+        arrays.update({name: row([response.perf[name]], dtype) for name, dtype in PERF_OUTPUTS.items()})
+    if response.text is not None:
+        arrays["text_output"] = np.array([response.text.encode("utf-8")], dtype=object)
+    return arrays
 
 
 @dataclass
@@ -86,26 +145,56 @@ class Outcome:
 
 class ResponseStream:
     """Receives a generation's rounds and sends them on as response arrays: each round's
-    tokens when streaming, else a heartbeat per round and everything at the end."""
+    tokens when streaming, else a heartbeat per round and everything at the end. With
+    `decode` (the model detokenizes itself, as for `text_input` requests) each response
+    also carries its text."""
 
-    def __init__(self, request: ServingRequest, send: Send):
-        self.request, self.send = request, send
+    def __init__(self, request: ServingRequest, send: Send, decode: Decode | None = None,
+                 timing: Timing | None = None):
+        self.request, self.send, self.decode = request, send, decode
+        self.timing = timing or Timing()
         self.generated: list[int] = []
+        self.logprobs: list[float] | None = [] if request.logprobs else None  # the decoder appends to it
+        self.stats: GenerationStats | None = None
         self.stopped = False  # a stop sequence ended the generation
+
+    def on_start(self, stats: GenerationStats) -> None:
+        self.stats = stats
+        self.timing.first_scheduled_ns = now_ns()
 
     def on_tokens(self, tokens: list[int]) -> None:
         if self.stopped:
             return
+        self.timing.last_token_ns = now_ns()
+        self.timing.first_token_ns = self.timing.first_token_ns or self.timing.last_token_ns
         start = len(self.generated)
         self.generated += tokens
         end = first_stop_end(self.generated, start, self.request.stop_sequences)
         if end is not None:
             del self.generated[end:]
             self.stopped = True
+        if self.logprobs is not None:
+            del self.logprobs[len(self.generated):]
         if not self.request.stream:
-            self.send(heartbeat_arrays(), False)
+            # a heartbeat: no tokens, so postprocessing answers nothing, but Triton schedules
+            # a postprocessing step, the only step that sees the ensemble request's
+            # cancellation (Triton does not cancel a step already running)
+            self.send(response_arrays(self.response([], []), self.request), False)
         elif len(self.generated) > start:
-            self.send(response_arrays(self.generated[start:], prefix_window(self.generated, start)), False)
+            response = self.response(self.generated[start:], prefix_window(self.generated, start), start)
+            self.send(response_arrays(response, self.request), False)
+
+    def response(self, new_ids: list[int], prefix_ids: list[int], logprobs_from: int | None = None,
+                 summary: Summary | None = None, final: bool = False) -> Response:
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = [] if logprobs_from is None else self.logprobs[logprobs_from:]
+        text = None
+        if self.decode is not None and (new_ids or final):
+            text = text_delta(self.decode, prefix_ids, new_ids, final) if new_ids else ""
+        perf = perf_values(self.stats, self.timing) if self.request.perf_metrics else None
+        return Response(new_ids, prefix_ids, len(self.generated), logprobs,
+                        sum(self.logprobs) if self.logprobs else 0.0, perf, text, summary)
 
     def finish(self, generation, stop_reason: str | None = None) -> Outcome:
         """The final response, also for a stopped generation: in a Triton 2.51 ensemble an
@@ -117,25 +206,29 @@ class ResponseStream:
         else:
             reason = generation.finish_reason
         outcome = Outcome(reason, list(self.generated), {**generation.stats.as_dict(), "seed": generation.seed})
-        summary = Summary(reason, outcome.stats, len(self.request.prompt_ids), len(self.generated))
+        summary = Summary(reason, outcome.stats)
         if self.request.stream:  # like TensorRT-LLM, a stream never repeats the prompt
-            new_ids, prefix_ids = [], prefix_window(self.generated, len(self.generated))
+            response = self.response([], prefix_window(self.generated, len(self.generated)), None, summary, True)
         else:
-            new_ids = ([] if self.request.exclude_input else list(self.request.prompt_ids)) + self.generated
-            prefix_ids = []
-        self.send(response_arrays(new_ids, prefix_ids, summary), True)
+            prompt = [] if self.request.exclude_input else list(self.request.prompt_ids)
+            response = self.response(prompt + self.generated, [], 0, summary, True)
+            if self.decode is not None:  # the whole text, the prompt's too when it is repeated
+                response = replace(response, text=self.decode(prompt + self.generated))
+        self.send(response_arrays(response, self.request), True)
         return outcome
 
 
-def start_request(pipeline, request: ServingRequest, send: Send, stop_reason: StopReason) -> Future:
+def start_request(pipeline, request: ServingRequest, send: Send, stop_reason: StopReason,
+                  decode: Decode | None = None, timing: Timing | None = None) -> Future:
     """Queue the generation with the pipeline's scheduler; responses go out as its rounds
     complete (from the scheduler's thread), and a final one with the stats. `stop_reason`
     is asked before every round (a reason stops the generation). The future's result is
     the `Outcome`, once the final response is sent."""
-    stream = ResponseStream(request, send)
+    stream = ResponseStream(request, send, decode, timing)
     queued = pipeline.submit(pipeline.request(request.prompt_ids, request.options, request.sampling,
                                               on_tokens=stream.on_tokens,
-                                              cancelled=lambda: stream.stopped or stop_reason() is not None))
+                                              cancelled=lambda: stream.stopped or stop_reason() is not None,
+                                              logprobs=stream.logprobs, on_start=stream.on_start))
     outcome: Future = Future()
 
     def finish(generation: Future) -> None:
@@ -148,6 +241,7 @@ def start_request(pipeline, request: ServingRequest, send: Send, stop_reason: St
     return outcome
 
 
-def run_request(pipeline, request: ServingRequest, send: Send, stop_reason: StopReason) -> Outcome:
+def run_request(pipeline, request: ServingRequest, send: Send, stop_reason: StopReason,
+                decode: Decode | None = None) -> Outcome:
     """`start_request`, waited for."""
-    return start_request(pipeline, request, send, stop_reason).result()
+    return start_request(pipeline, request, send, stop_reason, decode).result()

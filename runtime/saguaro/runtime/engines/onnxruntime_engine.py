@@ -27,6 +27,7 @@ from saguaro.runtime.contracts import (EngineInfo, OneSequenceForms, Step, Verif
 from saguaro.runtime.engines.batching import PackedBatch, pack_steps
 from saguaro.runtime.engines.manifest import engine_info
 from saguaro.runtime.kv_cache import KVPool, PooledCache
+from saguaro.runtime.logprobs import verify_result
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ class OnnxRuntimeEngine(OneSequenceForms):
                  "temperature": np.array(sampling.temperature, np.float32),
                  "top_k": np.array(sampling.top_k, np.int64), "top_p": np.array(sampling.top_p, np.float32)}
         accepted, bonus = self.sessions["fused_verify"].run(None, feeds)
-        return VerifyResult(int(accepted), int(bonus))
+        return verify_result(int(accepted), int(bonus), logits, item)
 
     def plan_branches(self, scores, draft_tokens, fanout, context_length: int) -> BranchPlan:
         if "branch_draft" not in self.sessions:

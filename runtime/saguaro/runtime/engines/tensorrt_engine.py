@@ -36,6 +36,7 @@ from saguaro.plugins.tensorrt_plugins import register_plugins
 from saguaro.plugins.tensorrt_registry import import_tensorrt
 from saguaro.runtime.contracts import EngineInfo, OneSequenceForms, Step, VerifyResult, VerifyStep, causal_mask
 from saguaro.runtime.engines.manifest import engine_info
+from saguaro.runtime.logprobs import verify_result
 from saguaro.runtime.kv_cache import VIEW_ALIGNMENT_BYTES, SlotKVCache, aligned_length
 
 
@@ -199,7 +200,7 @@ class TensorRTEngine(OneSequenceForms):
                        bonus=torch.zeros((), dtype=torch.int64, device="cuda"))
         self.graphs["verify"].run(inputs, outputs)  # `logits` stays on the device (debug output)
         cache.swap(length)
-        return VerifyResult(int(outputs["accepted"]), int(outputs["bonus"]))
+        return verify_result(int(outputs["accepted"]), int(outputs["bonus"]), outputs["logits"][0], item)
 
     def plan_branches(self, scores, draft_tokens, fanout, context_length: int) -> BranchPlan:
         branches = int(torch.as_tensor(fanout).sum())

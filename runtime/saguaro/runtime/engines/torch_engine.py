@@ -12,6 +12,7 @@ from saguaro.runtime.checkpoint import load_checkpoint, tokenizer_fingerprint
 from saguaro.runtime.contracts import EngineInfo, EngineLimits, OneSequenceForms, Step, VerifyResult, VerifyStep
 from saguaro.runtime.engines.batching import pack_steps
 from saguaro.runtime.kv_cache import KVPool, PooledCache
+from saguaro.runtime.logprobs import verify_result
 
 # What a checkpoint run eagerly is sized for (a compiled engine's come from its build).
 DEFAULT_LIMITS = dict(max_draft_tokens=8, max_branches=32, max_batch=8)
@@ -56,7 +57,7 @@ class TorchEngine(OneSequenceForms):
             s = item.sampling
             accepted, bonus = fused_verify(logits, item.draft_tokens, item.draft_probs, item.uniforms,
                                            s.temperature, s.top_k, s.top_p)
-            outcomes.append(VerifyResult(int(accepted), int(bonus)))
+            outcomes.append(verify_result(int(accepted), int(bonus), logits, item))
         return outcomes
 
     def plan_branches(self, scores, draft_tokens, fanout, context_length):

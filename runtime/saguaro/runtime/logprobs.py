@@ -1,0 +1,40 @@
+"""The target's log-probability of each token a round commits, for requests that ask.
+
+Verification keeps the target's logits inside the engine and lets only the outcome
+`(accepted, bonus)` out; a request that asks for log-probabilities (tensorrtllm_backend's
+`return_log_probs`, OpenAI's `logprobs`) also gets, for each committed token, its log
+probability under the distribution verification used: the target's at the request's
+temperature, top-k and top-p when sampling (what the output is distributed as), its plain
+softmax when greedy (as TensorRT-LLM reports greedy log-probabilities). Row i of a
+round's logits scores the i-th committed token: the accepted drafts, then the bonus.
+"""
+from __future__ import annotations
+
+import torch
+
+from saguaro.plugins.probs import logits_to_probs
+from saguaro.runtime.contracts import VerifyResult, VerifyStep
+from saguaro.runtime.sampling import SamplingParams
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], sampling: SamplingParams) -> tuple[float, ...]:
+    """log p(tokens[i]) under row i of `logits` (`[>= len(tokens), V]`)."""
+    rows = logits[:len(tokens)].float()
+    if sampling.greedy:
+        logp = torch.log_softmax(rows, dim=-1)
+    else:
+        logp = torch.log(logits_to_probs(rows, sampling.temperature, sampling.top_k, sampling.top_p))
+    picked = logp[torch.arange(len(tokens), device=rows.device), torch.tensor(tokens, device=rows.device)]
+    return tuple(float(value) for value in picked.cpu())
+
+
+def committed_tokens(draft_tokens: torch.Tensor, accepted: int, bonus: int) -> list[int]:
+    return [int(token) for token in draft_tokens[:accepted]] + [int(bonus)]
+
+
+def verify_result(accepted: int, bonus: int, logits: torch.Tensor, step: VerifyStep) -> VerifyResult:
+    """A round's outcome, with the log-probabilities its `VerifyStep` asked for."""
+    if not step.logprobs:
+        return VerifyResult(accepted, bonus)
+    return VerifyResult(accepted, bonus, token_logprobs(logits, committed_tokens(step.draft_tokens, accepted, bonus),
+                                                       step.sampling))
