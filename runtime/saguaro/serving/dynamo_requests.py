@@ -50,7 +50,8 @@ SAMPLING_NEUTRAL = {
     "guided_decoding": Neutral(lambda v: not v, "none", GUIDED),
 }
 OUTPUT_NEUTRAL = {
-    "logprobs": Neutral(lambda v: not v, "none", NEUTRAL_ONLY["return_log_probs"].why),
+    "logprobs": Neutral(lambda v: not v, "none", "the Dynamo worker streams token ids only; the target's "
+                        "log-probabilities come from the Triton server (return_log_probs, or logprobs in its OpenAI API)"),
     "prompt_logprobs": Neutral(lambda v: not v, "none", NEUTRAL_ONLY["return_context_logits"].why),
 }
 
