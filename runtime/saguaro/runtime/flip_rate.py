@@ -155,7 +155,7 @@ def chat_equalities(pipeline: Pipeline, args) -> list[dict]:
     for question in CHAT_PROMPTS:
         prompt = pipeline.encode_chat(question)
         ids = {mode: pipeline.generate(prompt, options, SamplingParams()).output_ids for mode, options in modes.items()}
-        rows.append({"question": question, "tokens": len(ids["autoregressive"]),
+        rows.append({"question": question, "tokens": len(ids["autoregressive"]), "ids": ids["autoregressive"],
                      "speculative_equal": ids["speculative"] == ids["autoregressive"],
                      "ssd_equal": ids["ssd"] == ids["autoregressive"]})
         print(f"{question:52s} {rows[-1]['tokens']:4d} tokens  speculative {'equal' if rows[-1]['speculative_equal'] else 'DIFFERS'}"
