@@ -79,9 +79,12 @@ def pick_tokens(logits: torch.Tensor, params: SamplingParams, saguaro: SaguaroSa
 
 # Counter-based randomness: the uniform a sampling decision uses is a pure function of
 # (request seed, purpose, absolute position). A draft token for position i is therefore
-# the same whether it was pre-speculated in a branch or drafted after a miss, so SSD gives
-# exactly speculative decoding's output for a seed, whatever the branch budget or thread
-# timing. Each position's acceptance test and each round's bonus draw happen once; a draft
+# drawn with the same uniform whether it was pre-speculated in a branch or drafted after a
+# miss, so SSD gives speculative decoding's output for a seed, whatever the branch budget
+# or thread timing, as far as the draft's q is the same in both: a branch's comes from a
+# tree-masked forward, whose attention sums run over another cache layout and can differ
+# in the last bits (docs/exactness.md counts the samples that moved). Each position's
+# acceptance test and each round's bonus draw happen once; a draft
 # uniform is reused only for positions whose earlier drafts never reached verification.
 DRAFT_STREAM, ACCEPT_STREAM, BONUS_STREAM = 1, 2, 3
 _MASK64 = (1 << 64) - 1
