@@ -164,7 +164,7 @@ def test_every_verification_form_decides_each_close_round_as_the_oracle(form, co
         verify = reference_form
     wrong = [(index, expected, verify(*as_tensors(*case))) for index, (case, expected) in enumerate(rounds)]
     wrong = [row for row in wrong if row[1] != row[2]]
-    assert not wrong, f"{len(wrong)} of {count} rounds differ from the oracle, e.g. (round, oracle, {form}): {wrong[:3]}"
+    assert not wrong, f"{len(wrong)} of {count} rounds differ from the oracle; (round, oracle, {form}): {wrong[:3]}"
 
 
 def test_the_oracle_tells_a_residual_from_p():

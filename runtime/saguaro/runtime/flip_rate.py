@@ -158,8 +158,9 @@ def chat_equalities(pipeline: Pipeline, args) -> list[dict]:
         rows.append({"question": question, "tokens": len(ids["autoregressive"]), "ids": ids["autoregressive"],
                      "speculative_equal": ids["speculative"] == ids["autoregressive"],
                      "ssd_equal": ids["ssd"] == ids["autoregressive"]})
-        print(f"{question:52s} {rows[-1]['tokens']:4d} tokens  speculative {'equal' if rows[-1]['speculative_equal'] else 'DIFFERS'}"
-              f"  ssd {'equal' if rows[-1]['ssd_equal'] else 'DIFFERS'}", flush=True)
+        verdicts = ["equal" if rows[-1][f"{mode}_equal"] else "DIFFERS" for mode in ("speculative", "ssd")]
+        print(f"{question:52s} {rows[-1]['tokens']:4d} tokens  speculative {verdicts[0]}  ssd {verdicts[1]}",
+              flush=True)
     return rows
 
 

@@ -3,8 +3,8 @@
 The graph carries one custom-domain node, `saguaro::FusedVerify`, whose body is the
 function below; ONNX Runtime inlines it, TensorRT's builder strips it and maps the node
 to the registered plugin (`tensorrt_plugin.py`). The body follows `reference.py` op for
-op, so both branches live in the graph: an `If` on `temperature < GREEDY_TEMPERATURE` picks greedy or
-sampling, and the top-k / top-p filters are `If`s too, so a plain sampling round does not
+op, so both branches live in the graph: an `If` on `temperature < GREEDY_TEMPERATURE`
+picks greedy or sampling, and the top-k / top-p filters are `If`s too, so a plain sampling round does not
 pay for the full-vocabulary sorts they need.
 
 Inputs: target_logits `[K+1, V]` float, draft_tokens `[K]` int64, draft_probs `[K, V]`

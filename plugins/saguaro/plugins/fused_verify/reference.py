@@ -5,8 +5,9 @@ Inputs for a round with K draft tokens:
   draft_probs `[K, V]` (the q each draft token was sampled from; unused when greedy),
   uniforms `[K+1]` (K acceptance tests, then one for the bonus token).
 Output: `(accepted, bonus)`: how many drafts were accepted (0..K) and the token that
-follows them. Greedy (temperature below `probs.GREEDY_TEMPERATURE`, 0 included): accept while the target's argmax equals the draft,
-bonus = argmax of the first row not accepted. Sampling: the rule of Leviathan et al.
+follows them. Greedy (a temperature below `probs.GREEDY_TEMPERATURE`, 0 included):
+accept while the target's argmax equals the draft, bonus = argmax of the first row not
+accepted. Sampling: the rule of Leviathan et al.
 """
 from __future__ import annotations
 
