@@ -67,13 +67,16 @@ def build_engines_cli(pair: Path, out: Path, *flags: str) -> Path:
     return out
 
 
-def build_small_engines(pair: Path, out: Path, name: str, max_draft_tokens: int, max_branches: int) -> Path:
-    """ONNX Runtime engines of a test pair, built in-process (64-token context)."""
+def build_small_engines(pair: Path, out: Path, name: str, max_draft_tokens: int, max_branches: int,
+                        **settings) -> Path:
+    """ONNX Runtime engines of a test pair, built in-process (64-token context unless
+    `settings` say otherwise: any `BuildConfig` field, e.g. precision or max_batch)."""
     from saguaro.compiler.builder import build_engines
     from saguaro.compiler.config import BuildConfig
 
     config = BuildConfig(name=name, target=pair / "target", draft=pair / "draft",
-                         max_draft_tokens=max_draft_tokens, max_branches=max_branches, max_context=64)
+                         max_draft_tokens=max_draft_tokens, max_branches=max_branches,
+                         **{"max_context": 64, **settings})
     build_engines(config, out, show_progress=False)
     return out
 

@@ -24,8 +24,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE_FOLDERS = ("runtime", "plugins", "build")
-SUITE = ["tests/test_lossless_sampling.py", "tests/test_greedy_exactness.py", "tests/test_speculation_cache.py",
-         "tests/test_modes_and_inputs.py", "tests/test_plugins_reference.py"]
+# The exactness and losslessness tests, the quick ones first (pytest stops at the first failure)
+SUITE = ["tests/test_plugins_reference.py", "tests/test_verification_oracle.py", "tests/test_plugin_onnx.py",
+         "tests/test_tensorrt_engine.py", "tests/test_row_independence.py", "tests/test_verified_q.py",
+         "tests/test_lossless_sampling.py", "tests/test_greedy_exactness.py", "tests/test_speculation_cache.py",
+         "tests/test_modes_and_inputs.py", "tests/test_batching.py"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,23 @@ MUTATIONS = [
     Mutation("off-by-one-truncate", "the target's cache rolled back one entry too far",
              VERIFIER, "self.cache.truncate(len(ids) + outcome.accepted)",
              "self.cache.truncate(len(ids) + outcome.accepted - 1)"),
+    # drafts close to the target leave a small residual: falling back to p there is wrong
+    Mutation("residual-empty-below-5%", "the residual taken for empty below 5% of the mass (a rejection's "
+             "bonus then drawn from p when p is close to q)",
+             VERIFY, "empty = residual.sum(-1, keepdim=True) <= 0", "empty = residual.sum(-1, keepdim=True) <= 0.05"),
+    Mutation("bfloat16-q-in-verification", "the q used in verification rounded to bfloat16 (the draft "
+             "sampled from the exact q)", VERIFIER,
+             "probs = None if draft.probs is None else draft.probs[:num_tokens]",
+             "probs = None if draft.probs is None else draft.probs[:num_tokens].bfloat16().float()"),
+    Mutation("tensorrt-verify-unfiltered", "the TensorRT engine's verification given top_k=0, top_p=1 "
+             "(the draft filtered q)", "runtime/saguaro/runtime/engines/tensorrt_engine.py",
+             "top_k=(sampling.top_k, torch.int64), top_p=(sampling.top_p, torch.float32))",
+             "top_k=(0, torch.int64), top_p=(1.0, torch.float32))"),
+    Mutation("one-token-attention-unpadded", "a one-token sequence left to GroupQueryAttention's "
+             "matrix-vector kernel (its logits then differ from the same token's in a verify)",
+             "build/saguaro/compiler/fused_export.py",
+             'extra = g.node("Cast", [one_token], ["/gqa/extra"], to=int32)[0]',
+             'extra = g.node("Sub", ["query_seqlens", "query_seqlens"], ["/gqa/extra"])[0]'),
 ]
 
 

@@ -1,10 +1,14 @@
 """Exactness does not depend on company: a request decoded in a batch, whatever else is in
 it, joins or leaves, gives exactly what it gives alone (greedy tokens identical, seeded
-samples identical), on torch engines and on ONNX Runtime engines."""
+samples identical), on torch engines and on ONNX Runtime engines at fp32 and int8, with
+the load policy choosing greedy requests' K; requests that stop at their end token stop
+at the same token in a batch as alone."""
+import dataclasses
 import threading
 
 import pytest
 
+from checkpoints import build_small_engines
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.runtime.sampling import SamplingParams
@@ -37,10 +41,19 @@ def requests(pipeline, count: int, on_tokens=None):
     return made
 
 
-@pytest.fixture(scope="module", params=["torch", "onnxruntime"])
-def pipeline(request, tiny_pair, tiny_engines):
-    loaded = (Pipeline.load(tiny_pair / "target", tiny_pair / "draft") if request.param == "torch"
-              else Pipeline.load(engines=tiny_engines))
+@pytest.fixture(scope="module")
+def int8_engines(tiny_pair, tmp_path_factory):
+    """int8 engines of the tiny pair with 16 KV slots: a batch of 16 as the issue ran it."""
+    return build_small_engines(tiny_pair, tmp_path_factory.mktemp("int8") / "engines", "batching-int8",
+                               max_draft_tokens=8, max_branches=16, precision="int8", max_batch=16, max_context=256)
+
+
+@pytest.fixture(scope="module", params=["torch", "onnxruntime", "onnxruntime-int8"])
+def pipeline(request, tiny_pair, tiny_engines, int8_engines):
+    if request.param == "torch":
+        loaded = Pipeline.load(tiny_pair / "target", tiny_pair / "draft")
+    else:
+        loaded = Pipeline.load(engines=tiny_engines if request.param == "onnxruntime" else int8_engines)
     yield loaded
     loaded.close()
 
@@ -79,3 +92,39 @@ def test_a_cancelled_request_leaves_and_the_others_finish_unchanged(pipeline):
     cancelled = futures[0].result()
     assert cancelled.finish_reason == "cancelled" and len(cancelled.output_ids) < 200
     assert [future.result().output_ids for future in futures[1:]] == expected
+
+
+def test_requests_that_stop_at_their_end_token_stop_there_in_a_batch(pipeline):
+    """Each request's end token is one it emits a third of the way in when nothing stops
+    it: alone it stops there (finish reason eos), and in a batch of 8 exactly the same."""
+    ending = []
+    for request in requests(pipeline, 8):
+        tokens = alone(pipeline, request)
+        eos = tokens[len(tokens) // 3]
+        options = dataclasses.replace(request.options, eos_token_id=eos)
+        ending.append(pipeline.request(request.prompt_ids, options, request.sampling))
+    expected = [pipeline.submit(request).result() for request in ending]
+    for generation in expected:
+        assert generation.finish_reason == "eos"
+        assert generation.output_ids.index(generation.output_ids[-1]) == len(generation.output_ids) - 1
+    futures = [pipeline.submit(request) for request in ending]
+    got = [future.result() for future in futures]
+    assert [(g.output_ids, g.finish_reason) for g in got] == [(g.output_ids, g.finish_reason) for g in expected]
+
+
+def test_greedy_int8_output_is_the_same_alone_in_a_batch_of_16_and_autoregressive(int8_engines):
+    """The issue's case: int8 engines, the default settings (the load policy picks each
+    round's K), 16 greedy prompts at once; each gives what it gives alone, and what plain
+    autoregressive decoding of the same engines gives."""
+    pipeline = Pipeline.load(engines=int8_engines)
+    try:
+        prompts = [pipeline.encode(text) for text in (PROMPTS + PROMPTS[:4])]
+        options = DecodeOptions(mode="ssd", num_draft_tokens=4, adapt_k=True, max_tokens=60, eos_token_id=-1)
+        autoregressive = DecodeOptions(mode="autoregressive", max_tokens=60, eos_token_id=-1)
+        expected = [pipeline.generate(prompt, autoregressive, SamplingParams()).output_ids for prompt in prompts]
+        alone_ids = [pipeline.generate(prompt, options, SamplingParams()).output_ids for prompt in prompts]
+        batch = pipeline.generate_batch([pipeline.request(prompt, options, SamplingParams()) for prompt in prompts])
+        assert alone_ids == expected
+        assert [generation.output_ids for generation in batch] == expected
+    finally:
+        pipeline.close()

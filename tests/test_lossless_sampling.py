@@ -14,7 +14,9 @@ inside those three tokens:
   (K = 1, fan-out (3, 4) on 4 tokens: every rejection's bonus differs from the draft),
   with Saguaro sampling, and with top-k / top-p filtering.
 
-A deliberately biased verification rule fails the same test, which shows it has teeth;
+The same check runs on ONNX Runtime fp32 engines of an 8-token pair: the law of four
+tokens (4096 outcomes), K = 4 and K = 3 with pre-speculation, Saguaro sampling and both
+filters. A deliberately biased verification rule fails the same test, which shows it has teeth;
 `tests/mutation_check.py` shows that realistic bugs in the sampling path fail it too.
 """
 import math
@@ -22,7 +24,7 @@ import math
 import pytest
 import torch
 
-from checkpoints import make_checkpoint
+from checkpoints import build_small_engines, make_checkpoint
 from saguaro.plugins.probs import logits_to_probs
 from saguaro.runtime.contracts import VerifyResult
 from saguaro.runtime.options import DecodeOptions
@@ -49,21 +51,23 @@ def next_token_probs(engine, ids, sampling) -> torch.Tensor:
     return logits_to_probs(logits.double(), sampling.temperature, sampling.top_k, sampling.top_p)
 
 
-def exact_law(engine, sampling, prefix=(), depth: int = WINDOW) -> torch.Tensor:
-    """P(the next `depth` tokens after PROMPT + prefix), `[V] * depth`, under the target alone."""
-    first = next_token_probs(engine, PROMPT + list(prefix), sampling)
+def exact_law(engine, sampling, prefix=(), depth: int = WINDOW, prompt=PROMPT, vocab: int = VOCAB) -> torch.Tensor:
+    """P(the next `depth` tokens after prompt + prefix), `[V] * depth`, under the target alone."""
+    first = next_token_probs(engine, list(prompt) + list(prefix), sampling)
     if depth == 1:
         return first
-    return torch.stack([first[x] * exact_law(engine, sampling, (*prefix, x), depth - 1) for x in range(VOCAB)])
+    return torch.stack([first[x] * exact_law(engine, sampling, (*prefix, x), depth - 1, prompt, vocab)
+                        for x in range(vocab)])
 
 
-def empirical_counts(pipeline, options, sampling, samples: int = SAMPLES):
-    counts = torch.zeros([VOCAB] * WINDOW, dtype=torch.float64)
+def empirical_counts(pipeline, options, sampling, samples: int = SAMPLES, prompt=PROMPT, vocab: int = VOCAB,
+                     window: int = WINDOW):
+    counts = torch.zeros([vocab] * window, dtype=torch.float64)
     hits = lookups = 0
     for seed in range(samples):
         run = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
-        generation = pipeline.generate(PROMPT, options, run)
-        counts[tuple(generation.output_ids[:WINDOW])] += 1
+        generation = pipeline.generate(list(prompt), options, run)
+        counts[tuple(generation.output_ids[:window])] += 1
         hits += generation.stats.cache_hits
         lookups += generation.stats.cache_hits + generation.stats.cache_misses
     return counts, hits / max(lookups, 1)
@@ -142,4 +146,49 @@ def test_the_chi_square_test_catches_a_biased_rule(pipeline):
     biased = Pipeline(BiasedVerify(pipeline.target), pipeline.draft)
     counts, _ = empirical_counts(biased, options, sampling, samples=1000)
     rejects, statistic = chi_square_rejects(counts, exact_law(pipeline.target, sampling))
+    assert rejects, f"a biased rule passed (chi-square {statistic:.1f}): the test has no power"
+
+
+# The same check on compiled engines: ONNX Runtime fp32 engines of an 8-token pair, the
+# law of 4 tokens (4096 outcomes), K up to 4 (every round verifies past depth 2, and the
+# 5-token generation reaches a second round after a rejection or an all-accept).
+ORT_VOCAB, ORT_WINDOW, ORT_PROMPT, ORT_SAMPLES = 8, 4, [1, 2, 3, 5], 2000
+ORT_LONGER = dict(max_tokens=ORT_WINDOW + 1, eos_token_id=-1)
+ORT_CONFIGURATIONS = {
+    "speculative K=4": (DecodeOptions(mode="speculative", num_draft_tokens=4, **ORT_LONGER), PLAIN, 0.0),
+    "ssd K=3 fan-out 2, saguaro, top-k/top-p": (
+        DecodeOptions(mode="ssd", num_draft_tokens=3, fanout=(2,), saguaro_factor=0.5, saguaro_top=2,
+                      **ORT_LONGER), SamplingParams(temperature=0.9, top_k=6, top_p=0.95), 0.05),
+}
+
+
+@pytest.fixture(scope="module")
+def ort_pipeline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("enumerable_ort")
+    make_checkpoint(root / "target", vocab_size=ORT_VOCAB, hidden=64, heads=4, kv_heads=2, seed=0, logit_scale=8.0)
+    make_checkpoint(root / "draft", vocab_size=ORT_VOCAB, hidden=32, heads=2, kv_heads=1, seed=1, logit_scale=8.0)
+    loaded = Pipeline.load(engines=build_small_engines(root, root / "engines", "enumerable", max_draft_tokens=4,
+                                                       max_branches=16))
+    yield loaded
+    loaded.close()
+
+
+def ort_law(pipeline, sampling):
+    return exact_law(pipeline.target, sampling, depth=ORT_WINDOW, prompt=ORT_PROMPT, vocab=ORT_VOCAB)
+
+
+@pytest.mark.parametrize("name", ORT_CONFIGURATIONS)
+def test_onnxruntime_engines_sample_the_target_distribution(ort_pipeline, name):
+    options, sampling, least_hit_rate = ORT_CONFIGURATIONS[name]
+    counts, hit_rate = empirical_counts(ort_pipeline, options, sampling, ORT_SAMPLES, ORT_PROMPT, ORT_VOCAB, ORT_WINDOW)
+    rejects, statistic = chi_square_rejects(counts, ort_law(ort_pipeline, sampling))
+    assert not rejects, f"{name}: chi-square {statistic:.1f} says the output is not the target's law"
+    assert hit_rate >= least_hit_rate, f"{name}: only {hit_rate:.0%} of lookups hit"
+
+
+def test_the_chi_square_test_catches_a_biased_rule_on_onnxruntime_engines(ort_pipeline):
+    options, sampling, _ = ORT_CONFIGURATIONS["speculative K=4"]
+    biased = Pipeline(BiasedVerify(ort_pipeline.target), ort_pipeline.draft)
+    counts, _ = empirical_counts(biased, options, sampling, 600, ORT_PROMPT, ORT_VOCAB, ORT_WINDOW)
+    rejects, statistic = chi_square_rejects(counts, ort_law(ort_pipeline, sampling))
     assert rejects, f"a biased rule passed (chi-square {statistic:.1f}): the test has no power"

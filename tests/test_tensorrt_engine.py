@@ -4,16 +4,22 @@
 (which copied the inputs, zeroed the outputs, truncated or gathered the cache) and the
 caller's after the engine's; bind only 256-byte aligned addresses; and never bind a null
 pointer (torch gives empty tensors one; K = 0 drafts and B = 0 branches make them).
-Here the context and the streams are recorders and the tensors plain descriptions.
+Here the context and the streams are recorders and the tensors plain descriptions; and
+the verify engine's arguments (the request's sampling, the draft's q) are checked against
+a CPU stand-in graph that runs the reference op on what it is bound.
 """
 from unittest import mock
 
 import pytest
 import torch
 
+from fake_tensorrt import fake_tensorrt
+from saguaro.plugins.fused_verify.reference import fused_verify
+from saguaro.runtime.contracts import EngineInfo, EngineLimits
 from saguaro.runtime.engines import tensorrt_engine
-from saguaro.runtime.engines.tensorrt_engine import TensorRTGraph, binding_address
+from saguaro.runtime.engines.tensorrt_engine import TensorRTEngine, TensorRTGraph, binding_address
 from saguaro.runtime.kv_cache import VIEW_ALIGNMENT_BYTES, SlotKVCache
+from saguaro.runtime.sampling import SamplingParams, pick_tokens, verification_uniforms
 
 
 class Log(list):
@@ -181,3 +187,61 @@ def test_output_allocator_gives_aligned_buffers_that_view_as_any_type():
     assert allocator.tensor("depth", torch.int64).shape == (0,)
     assert allocator.tensor("positions", torch.int64).shape == (3, 1)
     assert all(buffer.numel() % VIEW_ALIGNMENT_BYTES == 0 for buffer in allocator.buffers.values())
+
+
+class ReferenceVerifyGraph:
+    """The verify engine as TensorRT runs it, on the CPU: the model's logits (a fixed
+    table looked up by input token), then FusedVerify (the reference op) on exactly the
+    tensors bound to it. Keeps what it was bound."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table, self.bound = table, []
+
+    def run(self, inputs, outputs, allocators=None):
+        self.bound.append({name: tensor.clone() for name, tensor in inputs.items() if not name.startswith("past")})
+        accepted, bonus = fused_verify(self.table[inputs["input_ids"][0]], inputs["draft_tokens"],
+                                       inputs["draft_probs"], inputs["uniforms"], float(inputs["temperature"]),
+                                       int(inputs["top_k"]), float(inputs["top_p"]))
+        outputs["accepted"].fill_(accepted)
+        outputs["bonus"].fill_(bonus)
+
+
+def cpu_tensorrt_engine(vocab: int, graph) -> TensorRTEngine:
+    limits = EngineLimits(max_draft_tokens=8, max_branches=16, max_context=64, max_batch=1)
+    info = EngineInfo(backend="tensorrt", path="stand-in", vocab_size=vocab, max_context=64, eos_token_ids=(),
+                      bos_token_id=None, tokenizer_fingerprint="", limits=limits)
+    shape = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 4, "vocab_size": vocab}
+    return TensorRTEngine(fake_tensorrt(), {"verify": graph}, info, None, shape, device="cpu")
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_k=5, top_p=0.8, seed=1),
+                                    SamplingParams(temperature=1.3, top_p=0.6, seed=2), SamplingParams()],
+                         ids=["top-k and top-p", "top-p", "greedy"])
+def test_the_verify_engine_is_bound_the_requests_sampling_and_the_drafts_q(params):
+    """What the draft sampled from (filtered q, the request's T, top-k, top-p, its keyed
+    uniforms) is what the TensorRT verify engine gets, and its outcome is the reference
+    op's under those parameters (a verify bound top-k 0 / top-p 1 would judge a filtered
+    q against an unfiltered p)."""
+    vocab, k = 12, 4
+    generator = torch.Generator().manual_seed(0)
+    graph = ReferenceVerifyGraph(torch.randn(vocab, vocab, generator=generator) * 2)
+    engine = cpu_tensorrt_engine(vocab, graph)
+    for trial in range(20):
+        draft_logits = torch.randn(k, vocab, generator=generator) * 2
+        positions = torch.arange(10, 10 + k)
+        drafts, q = pick_tokens(draft_logits, params.with_seed(), None, positions + trial)
+        tokens = torch.cat((torch.tensor([trial % vocab]), drafts))
+        uniforms = verification_uniforms(params.with_seed(), positions + trial, first_new=10 + trial)
+        cache = engine.new_cache(32)
+        cache.length = 9
+        outcome = engine.verify(cache, tokens, torch.arange(9, 9 + k + 1), drafts, q, uniforms, params)
+        bound = graph.bound[-1]
+        assert float(bound["temperature"]) == float(torch.tensor(params.temperature, dtype=torch.float32))
+        assert int(bound["top_k"]) == params.top_k
+        assert float(bound["top_p"]) == float(torch.tensor(params.top_p, dtype=torch.float32))
+        assert torch.equal(bound["draft_tokens"], drafts) and torch.equal(bound["uniforms"], uniforms)
+        assert torch.equal(bound["draft_probs"], torch.zeros(k, vocab) if q is None else q)
+        expected = fused_verify(graph.table[tokens], drafts, q, uniforms, params.temperature, params.top_k,
+                                params.top_p)
+        assert (outcome.accepted, outcome.bonus) == tuple(int(x) for x in expected)
+        assert cache.length == 9 + k + 1

@@ -19,7 +19,14 @@ slot. What it needs from SSD and how it is given:
     present both bind; GQA writes only the new entries, so rolling back is lowering a
     length, and a branch commit moves entries inside the buffer;
   - ragged batches: `query_seqlens` (new tokens per sequence, 0 for an idle row) and
-    `seqlens_k` (entries after the step, minus one).
+    `seqlens_k` (entries after the step, minus one);
+  - a token's logits do not depend on the other tokens of its forward (its sequence's
+    other tokens, other sequences, the padded width): every op computes each row on its
+    own, except GroupQueryAttention, which multiplies a sequence of one query by V with
+    a matrix-vector kernel (another summation order than its kernel for several). So
+    GQA never sees a one-token sequence: each gets a second, padding query whose K/V
+    lands one entry past the cache's live length, where the next step overwrites it
+    (`AttentionInputs`; `tests/test_row_independence.py` checks every precision).
 The plugin ops stay separate weightless graphs that read this graph's logits (the
 builder adds them), so the weights are held once.
 
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -114,25 +122,91 @@ def attention_bias(g: GraphWriter) -> str:
     return g.node("Unsqueeze", [bias, "/bias/head_axis"], ["/bias/attention_bias"])[0]
 
 
+@dataclass(frozen=True)
+class AttentionInputs:
+    """What every layer's GroupQueryAttention reads, with each one-token sequence given a
+    padding query (see the module docstring): its query count raised to 2, its cache
+    length to past + 2, the batch's width to at least 2 rows, the total length and the
+    bias one entry wider. Idle rows (no tokens) stay idle. Computed once per graph;
+    each layer pads its packed QKV (`padded`) and cuts GQA's output back (`cut`)."""
+
+    query_seqlens: str
+    seqlens_k: str
+    total_sequence_length: str
+    position_ids: str
+    bias: str
+    pads: str     # Pad's pads for a [B, S, hidden] tensor: S padded up to 2 rows
+    width: str    # [1] int64: S, the rows the graph was given
+
+    def padded(self, g: GraphWriter, rows: str, name: str) -> str:
+        """`[B, S, hidden]` rows with the padding query's row added where S is 1."""
+        return g.node("Pad", [rows, self.pads], [name])[0]
+
+    def cut(self, g: GraphWriter, rows: str, name: str) -> str:
+        """GQA's `[B, S', hidden]` output back to the S rows the graph was given."""
+        return g.node("Slice", [rows, "/gqa/no_rows", self.width, "/gqa/seq_axis"], [name])[0]
+
+
+def attention_inputs(g: GraphWriter, bias: str) -> AttentionInputs:
+    g.constant("/gqa/no_rows", np.array([0], np.int64))
+    g.constant("/gqa/seq_axis", np.array([1], np.int64))
+    query_seqlens, seqlens_k, total = padded_counts(g)
+    added, width = added_rows(g)
+    # [B, S] and [B, 1, S, T]: S up to 2 rows, T one column wider (no real row reads it:
+    # GQA's causal rule keeps each row to its own entries), all padding zero
+    g.constant("/gqa/one_column", np.array([1], np.int64))
+    two_d = g.node("Concat", ["/gqa/no_rows"] * 3 + [added], ["/gqa/pads_2d"], axis=0)[0]
+    four_d = g.node("Concat", ["/gqa/no_rows"] * 6 + [added, "/gqa/one_column"], ["/gqa/pads_4d"], axis=0)[0]
+    three_d = g.node("Concat", ["/gqa/no_rows"] * 4 + [added, "/gqa/no_rows"], ["/gqa/pads_3d"], axis=0)[0]
+    position_ids = g.node("Pad", ["position_ids", two_d], ["/gqa/position_ids"])[0]
+    padded_bias = g.node("Pad", [bias, four_d], ["/gqa/bias"])[0]
+    return AttentionInputs(query_seqlens, seqlens_k, total, position_ids, padded_bias, three_d, width)
+
+
+def padded_counts(g: GraphWriter) -> tuple[str, str, str]:
+    """Query counts and cache lengths with a padding query for each one-token sequence
+    (idle rows, 0 tokens, stay as they are), and the total length one entry longer."""
+    int32 = TensorProto.INT32
+    g.constant("/gqa/one", np.array(1, np.int32))
+    one_token = g.node("Equal", ["query_seqlens", "/gqa/one"], ["/gqa/one_token"])[0]
+    extra = g.node("Cast", [one_token], ["/gqa/extra"], to=int32)[0]
+    query_seqlens = g.node("Add", ["query_seqlens", extra], ["/gqa/query_seqlens"])[0]
+    seqlens_k = g.node("Add", ["seqlens_k", extra], ["/gqa/seqlens_k"])[0]
+    total = g.node("Add", ["total_sequence_length", "/gqa/one"], ["/gqa/total_sequence_length"])[0]
+    return query_seqlens, seqlens_k, total
+
+
+def added_rows(g: GraphWriter) -> tuple[str, str]:
+    """`[1]` int64: the rows to add so the batch is at least 2 wide (1 or 0), and S."""
+    g.constant("/gqa/two_rows", np.array([2], np.int64))
+    shape = g.node("Shape", ["input_ids"], ["/gqa/input_shape"])[0]
+    width = g.node("Gather", [shape, "/gqa/seq_axis"], ["/gqa/width"], axis=0)[0]
+    missing = g.node("Sub", ["/gqa/two_rows", width], ["/gqa/missing"])[0]
+    return g.node("Max", [missing, "/gqa/no_rows"], ["/gqa/added_rows"])[0], width
+
+
 def optional(state: dict, name: str) -> torch.Tensor | None:
     return state.get(name)
 
 
-def attention(g: GraphWriter, shape: LlamaShape, state: dict, layer: int, x: str, bias: str) -> str:
+def attention(g: GraphWriter, shape: LlamaShape, state: dict, layer: int, x: str, at: AttentionInputs) -> str:
     """Packed QKV into GroupQueryAttention; with per-head q/k norms (Qwen3) q, k and v go
-    in apart, q and k normed per head first (RoPE stays inside the attention op)."""
+    in apart, q and k normed per head first (RoPE stays inside the attention op). The
+    QKV rows are padded to GQA's inputs (`AttentionInputs`) and its output cut back."""
     prefix = f"model.layers.{layer}.self_attn"
     qkv_weight = torch.cat([state[f"{prefix}.{p}_proj.weight"] for p in "qkv"])
     qkv_bias = torch.cat([state[f"{prefix}.{p}_proj.bias"] for p in "qkv"]) if shape.qkv_bias else None
     qkv = g.linear(x, qkv_weight, f"{prefix}.qkv_proj", qkv_bias)
+    qkv = at.padded(g, qkv, f"/l{layer}/qkv_padded")
     queries = [qkv, "", ""] if not shape.qk_norm else normed_q_k_v(g, shape, state, layer, qkv)
-    inputs = [*queries, f"past_key.{layer}", f"past_value.{layer}", "seqlens_k", "total_sequence_length",
-              "cos_cache", "sin_cache", "position_ids", bias,
-              "", "", "", "", "", "query_seqlens"]  # head_sink, k/v scales, q/k norm weights: unused
-    out = g.node("GroupQueryAttention", inputs, [f"/l{layer}/attention", f"present_key.{layer}",
-                                                 f"present_value.{layer}"],
-                 domain=MS_DOMAIN, num_heads=shape.num_heads, kv_num_heads=shape.num_kv_heads, do_rotary=1,
-                 causal=1, scale=float(shape.head_dim) ** -0.5)[0]
+    inputs = [*queries, f"past_key.{layer}", f"past_value.{layer}", at.seqlens_k, at.total_sequence_length,
+              "cos_cache", "sin_cache", at.position_ids, at.bias,
+              "", "", "", "", "", at.query_seqlens]  # head_sink, k/v scales, q/k norm weights: unused
+    padded = g.node("GroupQueryAttention", inputs, [f"/l{layer}/attention_padded", f"present_key.{layer}",
+                                                    f"present_value.{layer}"],
+                    domain=MS_DOMAIN, num_heads=shape.num_heads, kv_num_heads=shape.num_kv_heads, do_rotary=1,
+                    causal=1, scale=float(shape.head_dim) ** -0.5)[0]
+    out = at.cut(g, padded, f"/l{layer}/attention")
     return g.linear(out, state[f"{prefix}.o_proj.weight"], f"{prefix}.o_proj",
                     optional(state, f"{prefix}.o_proj.bias"))
 
@@ -211,7 +285,7 @@ def model_graph(shape: LlamaShape, state: dict, precision: str, max_positions: i
     cos, sin = rope_tables(shape, max_positions)
     g.constant("cos_cache", cos)
     g.constant("sin_cache", sin)
-    bias = attention_bias(g)
+    at = attention_inputs(g, attention_bias(g))
     embed = g.constant("model.embed_tokens.weight", as_array(state["model.embed_tokens.weight"]))
     hidden = g.node("Gather", [embed, "input_ids"], ["/embeddings"])[0]
     residual = None
@@ -220,7 +294,7 @@ def model_graph(shape: LlamaShape, state: dict, precision: str, max_positions: i
         prefix = f"model.layers.{layer}"
         norm = g.constant(f"{prefix}.input_layernorm.weight", as_array(state[f"{prefix}.input_layernorm.weight"]))
         x, hidden = skip_norm(g, hidden, residual, norm, eps, f"/l{layer}/input_norm")
-        attended = attention(g, shape, state, layer, x, bias)
+        attended = attention(g, shape, state, layer, x, at)
         norm = g.constant(f"{prefix}.post_attention_layernorm.weight",
                           as_array(state[f"{prefix}.post_attention_layernorm.weight"]))
         x, hidden = skip_norm(g, hidden, attended, norm, eps, f"/l{layer}/post_norm")

@@ -22,9 +22,11 @@ GRAPHS = {"target": ("model", "fused_verify"), "draft": ("model", "branch_draft"
 
 
 def rope_positions(config) -> int:
-    """Rows of the rotary tables: the furthest position a branch token can take (context,
-    a round's drafts, then K tree steps)."""
-    return config.max_context + 2 * config.max_draft_tokens + 1
+    """Rows of the rotary tables. GroupQueryAttention wants at least as many as the total
+    sequence length it is given, not only the furthest position: a draft cache holds a
+    round's branch entries after its context, and a one-token step's padding query takes
+    one entry more (`fused_export.AttentionInputs`)."""
+    return config.max_cache_entries + 1
 
 
 def export_role(config, role: str, shape, checkpoint: Path, folder: Path) -> dict[str, Path]:

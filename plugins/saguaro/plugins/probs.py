@@ -7,9 +7,24 @@ from __future__ import annotations
 
 import torch
 
+# Temperatures below this decode greedily (argmax), in every op and loop, as in vLLM:
+# dividing logits by a smaller one overflows float32 (1e-39 gives inf, a NaN softmax, and
+# inverse-CDF sampling then picks token 0 forever). From it upwards the division stays
+# finite for any logit below 3e33, and the distribution is as sharp as float32 can hold.
+# A power of two, so a float64 and a float32 comparison with it agree.
+GREEDY_TEMPERATURE = 2.0 ** -17  # 7.63e-06
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature < GREEDY_TEMPERATURE
+
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (nucleus) over the last axis. temperature > 0."""
+    """Temperature, then top-k, then top-p (nucleus) over the last axis. A temperature
+    below `GREEDY_TEMPERATURE` has no distribution here (greedy decoding takes argmax)."""
+    if is_greedy(temperature):
+        raise ValueError(f"temperature {temperature!r} is below {GREEDY_TEMPERATURE:.3g}, which decodes greedily: "
+                         "no distribution to sample from")
     logits = logits.float() / temperature
     if 0 < top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]

@@ -32,7 +32,10 @@ calibration of each engine (a few forwards at different sizes) and follow the me
 rounds after that, with old measurements fading. The pre-speculation budget is the
 number of branch rows a tree step can take while staying under the verification.
 
-Greedy output does not depend on K. A sampled request's output for a given seed does (it
+Greedy output does not depend on K: on ONNX Runtime engines a token's logits are bit-
+identical at every verify width (`tests/test_row_independence.py`), on torch engines
+they may differ in the last bits, which flipped no token of 1000 prompts x 64 (see
+docs/exactness.md). A sampled request's output for a given seed does (it
 is distributed exactly as the target's for every K, but K changes which tokens a seed
 draws), so a sampled request keeps its K and samples exactly what it samples alone, for
 its seed, whatever the load; only its pre-speculation (on or off, how many branches)

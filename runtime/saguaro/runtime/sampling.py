@@ -8,13 +8,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from saguaro.plugins.probs import logits_to_probs, saguaro_rescale, sample_from
+from saguaro.plugins.probs import is_greedy, logits_to_probs, saguaro_rescale, sample_from
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 turn those filters off. A seed of
-    None asks for a fresh one (`with_seed`), so unseeded requests differ from each other."""
+    """temperature 0 means greedy, and so does any temperature below
+    `probs.GREEDY_TEMPERATURE` (it is stored as 0: every op and loop then sees greedy);
+    top_k 0 and top_p 1 turn those filters off. A seed of None asks for a fresh one
+    (`with_seed`), so unseeded requests differ from each other."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -25,6 +27,8 @@ class SamplingParams:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if is_greedy(self.temperature):
+            object.__setattr__(self, "temperature", 0.0)
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
@@ -75,9 +79,12 @@ def pick_tokens(logits: torch.Tensor, params: SamplingParams, saguaro: SaguaroSa
 
 # Counter-based randomness: the uniform a sampling decision uses is a pure function of
 # (request seed, purpose, absolute position). A draft token for position i is therefore
-# the same whether it was pre-speculated in a branch or drafted after a miss, so SSD gives
-# exactly speculative decoding's output for a seed, whatever the branch budget or thread
-# timing. Each position's acceptance test and each round's bonus draw happen once; a draft
+# drawn with the same uniform whether it was pre-speculated in a branch or drafted after a
+# miss, so SSD gives speculative decoding's output for a seed, whatever the branch budget
+# or thread timing, as far as the draft's q is the same in both: a branch's comes from a
+# tree-masked forward, whose attention sums run over another cache layout and can differ
+# in the last bits (docs/exactness.md counts the samples that moved). Each position's
+# acceptance test and each round's bonus draw happen once; a draft
 # uniform is reused only for positions whose earlier drafts never reached verification.
 DRAFT_STREAM, ACCEPT_STREAM, BONUS_STREAM = 1, 2, 3
 _MASK64 = (1 << 64) - 1

@@ -3,8 +3,8 @@
 The graph carries one custom-domain node, `saguaro::FusedVerify`, whose body is the
 function below; ONNX Runtime inlines it, TensorRT's builder strips it and maps the node
 to the registered plugin (`tensorrt_plugin.py`). The body follows `reference.py` op for
-op, so both branches live in the graph: an `If` on `temperature == 0` picks greedy or
-sampling, and the top-k / top-p filters are `If`s too, so a plain sampling round does not
+op, so both branches live in the graph: an `If` on `temperature < GREEDY_TEMPERATURE`
+picks greedy or sampling, and the top-k / top-p filters are `If`s too, so a plain sampling round does not
 pay for the full-vocabulary sorts they need.
 
 Inputs: target_logits `[K+1, V]` float, draft_tokens `[K]` int64, draft_probs `[K, V]`
@@ -18,6 +18,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from saguaro.plugins.fused_verify.signature import SIGNATURE
+from saguaro.plugins.probs import GREEDY_TEMPERATURE
 from saguaro.plugins.signature import value_infos
 
 DOMAIN = SIGNATURE.namespace
@@ -188,7 +189,7 @@ def function_proto(opset: int = 17) -> onnx.FunctionProto:
     g = GraphBody("fv_", opset)
     logits = g.op("Cast", "target_logits", to=TensorProto.FLOAT)
     draft_count = g.op("Shape", "draft_tokens")
-    is_greedy = g.op("Equal", "temperature", g.const(0.0))
+    is_greedy = g.op("Less", "temperature", g.const(GREEDY_TEMPERATURE))  # never a division by a tiny T
     g.op("If", is_greedy, outputs=list(OUTPUTS),
          then_branch=greedy_branch(opset, logits, draft_count),
          else_branch=sampling_branch(opset, logits, draft_count))

@@ -5,14 +5,15 @@ Inputs for a round with K draft tokens:
   draft_probs `[K, V]` (the q each draft token was sampled from; unused when greedy),
   uniforms `[K+1]` (K acceptance tests, then one for the bonus token).
 Output: `(accepted, bonus)`: how many drafts were accepted (0..K) and the token that
-follows them. Greedy (temperature 0): accept while the target's argmax equals the draft,
-bonus = argmax of the first row not accepted. Sampling: the rule of Leviathan et al.
+follows them. Greedy (a temperature below `probs.GREEDY_TEMPERATURE`, 0 included):
+accept while the target's argmax equals the draft, bonus = argmax of the first row not
+accepted. Sampling: the rule of Leviathan et al.
 """
 from __future__ import annotations
 
 import torch
 
-from saguaro.plugins.probs import logits_to_probs, sample_from
+from saguaro.plugins.probs import is_greedy, logits_to_probs, sample_from
 
 
 def accepted_prefix_length(accept: torch.Tensor) -> torch.Tensor:
@@ -53,6 +54,6 @@ def verify_sampling(target_logits, draft_tokens, draft_probs, uniforms,
 def fused_verify(target_logits, draft_tokens, draft_probs, uniforms,
                  temperature: float, top_k: int = 0, top_p: float = 1.0):
     """The op: `(accepted, bonus)` as 0-d int64 tensors."""
-    if temperature == 0:
+    if is_greedy(temperature):
         return verify_greedy(target_logits, draft_tokens)
     return verify_sampling(target_logits, draft_tokens, draft_probs, uniforms, temperature, top_k, top_p)

@@ -24,6 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
+from saguaro.plugins.probs import GREEDY_TEMPERATURE
+
+GREEDY_BELOW = tl.constexpr(GREEDY_TEMPERATURE)  # below it: argmax, never a division by T
+
 
 @triton.jit
 def _kth_largest(x, k, offsets):
@@ -66,7 +70,7 @@ def row_outcome_kernel(logits_ptr, logits_row_stride, draft_tokens_ptr, draft_pr
                      other=float("-inf")).to(tl.float32)
     draft = tl.load(draft_tokens_ptr + row, mask=has_draft, other=-1)
     temperature = tl.load(temperature_ptr).to(tl.float32)
-    if temperature == 0:
+    if temperature < GREEDY_BELOW:
         choice = tl.argmax(logits, axis=0).to(tl.int64)
         accepted = choice == draft
         bonus = choice

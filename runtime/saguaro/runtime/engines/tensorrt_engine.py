@@ -136,16 +136,19 @@ def output_allocator(trt):
     return Allocator()
 
 
-def _device(tensor, dtype) -> torch.Tensor:
-    return torch.as_tensor(tensor).to(device="cuda", dtype=dtype).contiguous()
+def _device(tensor, dtype, device: str = "cuda") -> torch.Tensor:
+    return torch.as_tensor(tensor).to(device=device, dtype=dtype).contiguous()
 
 
 class TensorRTEngine(OneSequenceForms):
     """One model's TensorRT engines (`forward`, and `verify` or `branch_draft`). They run
-    one sequence per call (batch 1): a batch of steps runs one after another."""
+    one sequence per call (batch 1): a batch of steps runs one after another. `device` is
+    where its tensors live: the GPU, or the CPU for a check with stand-in graphs."""
 
-    def __init__(self, trt, graphs: dict[str, TensorRTGraph], info: EngineInfo, tokenizer, shape: dict):
+    def __init__(self, trt, graphs: dict[str, TensorRTGraph], info: EngineInfo, tokenizer, shape: dict,
+                 device: str = "cuda"):
         self.trt, self.graphs, self.info, self.tokenizer, self.limits = trt, graphs, info, tokenizer, info.limits
+        self.device = device
         self.kv_dims = (shape["num_layers"], shape["num_kv_heads"], shape["head_dim"])
         self.vocab_size = shape["vocab_size"]
         # the engines' own types: the cache is in the precision built, logits are float32
@@ -156,19 +159,19 @@ class TensorRTEngine(OneSequenceForms):
         """Commits gather with torch on the device (no GatherKV engine: see the plugin's notes)."""
         if capacity > self.limits.max_cache_entries:
             raise ValueError(f"cache capacity {capacity} exceeds the engines' {self.limits.max_cache_entries} entries")
-        return SlotKVCache(*self.kv_dims, capacity, device="cuda", dtype=self.cache_dtype)
+        return SlotKVCache(*self.kv_dims, capacity, device=self.device, dtype=self.cache_dtype)
 
     def _step_io(self, cache, tokens, positions, mask):
         past, count = cache.length, len(tokens)
         if past + count > cache.capacity:
             raise ValueError(f"KV cache overflow: {past} + {count} entries > capacity {cache.capacity}")
         mask = causal_mask(past, count) if mask is None else mask
-        inputs = {"input_ids": _device(tokens, torch.int64)[None],
-                  "position_ids": _device(positions, torch.int64)[None],
-                  "attention_mask": _device(mask, torch.bool)[None]}
+        inputs = {"input_ids": _device(tokens, torch.int64, self.device)[None],
+                  "position_ids": _device(positions, torch.int64, self.device)[None],
+                  "attention_mask": _device(mask, torch.bool, self.device)[None]}
         inputs.update(zip(("past_keys", "past_values"), cache.live()))
         outputs = dict(zip(("present_keys", "present_values"), cache.spare(past + count)))
-        outputs["logits"] = torch.empty(1, count, self.vocab_size, device="cuda", dtype=self.logits_dtype)
+        outputs["logits"] = torch.empty(1, count, self.vocab_size, device=self.device, dtype=self.logits_dtype)
         return inputs, outputs, past + count
 
     def forward_batch(self, steps: Sequence[Step]) -> list[torch.Tensor]:
@@ -192,12 +195,12 @@ class TensorRTEngine(OneSequenceForms):
             raise ValueError(f"K={k} draft tokens exceeds the engines' max_draft_tokens {self.limits.max_draft_tokens}")
         inputs, outputs, length = self._step_io(cache, tokens, positions, None)
         probs = torch.zeros(k, self.vocab_size) if draft_probs is None else draft_probs
-        inputs.update(draft_tokens=_device(draft_tokens, torch.int64), draft_probs=_device(probs, torch.float32),
-                      uniforms=_device(uniforms, torch.float32),
-                      temperature=_device(sampling.temperature, torch.float32),
-                      top_k=_device(sampling.top_k, torch.int64), top_p=_device(sampling.top_p, torch.float32))
-        outputs.update(accepted=torch.zeros((), dtype=torch.int64, device="cuda"),
-                       bonus=torch.zeros((), dtype=torch.int64, device="cuda"))
+        on_device = dict(draft_tokens=(draft_tokens, torch.int64), draft_probs=(probs, torch.float32),
+                         uniforms=(uniforms, torch.float32), temperature=(sampling.temperature, torch.float32),
+                         top_k=(sampling.top_k, torch.int64), top_p=(sampling.top_p, torch.float32))
+        inputs.update({name: _device(value, dtype, self.device) for name, (value, dtype) in on_device.items()})
+        outputs.update(accepted=torch.zeros((), dtype=torch.int64, device=self.device),
+                       bonus=torch.zeros((), dtype=torch.int64, device=self.device))
         self.graphs["verify"].run(inputs, outputs)  # `logits` stays on the device (debug output)
         cache.swap(length)
         return verify_result(int(outputs["accepted"]), int(outputs["bonus"]), outputs["logits"][0], item)
@@ -208,8 +211,9 @@ class TensorRTEngine(OneSequenceForms):
             raise ValueError(f"fan-out of {branches} branches exceeds the engines' "
                              f"max_branches {self.limits.max_branches}")
         graph = self.graphs["branch_draft"]
-        inputs = {"scores": _device(scores, torch.float32), "draft_tokens": _device(draft_tokens, torch.int64),
-                  "fanout": _device(fanout, torch.int64), "context_length": _device(context_length, torch.int64)}
+        on_device = dict(scores=(scores, torch.float32), draft_tokens=(draft_tokens, torch.int64),
+                         fanout=(fanout, torch.int64), context_length=(context_length, torch.int64))
+        inputs = {name: _device(value, dtype, self.device) for name, (value, dtype) in on_device.items()}
         allocator = output_allocator(self.trt)
         graph.run(inputs, {}, {name: allocator for name in PLAN_OUTPUTS})
         return BranchPlan(*(allocator.tensor(name, graph.dtype(name)).cpu() for name in PLAN_OUTPUTS))

@@ -39,16 +39,22 @@ class TorchEngine(OneSequenceForms):
         return self.pool.allocate(capacity)
 
     def forward_batch(self, steps: Sequence[Step]) -> list[torch.Tensor]:
-        packed = pack_steps(steps)
-        rows = slice(packed.first_slot, packed.first_slot + packed.batch)
+        """Each step runs as a forward of its own. torch's matrix kernels pick their
+        summation order by the number of rows, and attention over a padded batch sums
+        over the padded width, so in one batched forward a sequence's logits would depend
+        on the sequences sharing it; alone, they depend on its own tokens only."""
+        return [self._forward_one(step) for step in steps]
+
+    def _forward_one(self, step: Step) -> torch.Tensor:
+        packed = pack_steps([step])
         past = torch.from_numpy(packed.seqlens_k + 1 - packed.query_seqlens)
-        logits = self.model.forward_packed(self.pool.tensor[:, :, rows], torch.from_numpy(packed.input_ids),
+        slot = slice(packed.first_slot, packed.first_slot + 1)
+        logits = self.model.forward_packed(self.pool.tensor[:, :, slot], torch.from_numpy(packed.input_ids),
                                            torch.from_numpy(packed.position_ids), past,
                                            torch.from_numpy(packed.query_seqlens),
                                            torch.from_numpy(packed.attention_mask))
-        for step, count in zip(steps, packed.counts):
-            step.cache.length += count
-        return [logits[row, :count] for row, count in zip(packed.rows, packed.counts)]
+        step.cache.length += len(step.tokens)
+        return logits[0]
 
     def verify_batch(self, steps: Sequence[VerifyStep]) -> list[VerifyResult]:
         rows = self.forward_batch([item.step for item in steps])
