@@ -206,12 +206,20 @@ class ReferenceVerifyGraph:
         outputs["bonus"].fill_(bonus)
 
 
+class Float32ForwardGraph:
+    """The forward engine's tensor types as a float32 build reports them (the engine reads
+    its cache and logits types off `forward`); this check runs only the verify engine."""
+
+    def dtype(self, name: str) -> torch.dtype:
+        return torch.float32
+
+
 def cpu_tensorrt_engine(vocab: int, graph) -> TensorRTEngine:
     limits = EngineLimits(max_draft_tokens=8, max_branches=16, max_context=64, max_batch=1)
     info = EngineInfo(backend="tensorrt", path="stand-in", vocab_size=vocab, max_context=64, eos_token_ids=(),
                       bos_token_id=None, tokenizer_fingerprint="", limits=limits)
     shape = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 4, "vocab_size": vocab}
-    return TensorRTEngine(fake_tensorrt(), {"verify": graph}, info, None, shape, device="cpu")
+    return TensorRTEngine(fake_tensorrt(), {"forward": Float32ForwardGraph(), "verify": graph}, info, None, shape, device="cpu")
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_k=5, top_p=0.8, seed=1),

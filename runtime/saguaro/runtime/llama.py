@@ -160,7 +160,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Masked attention; `mask` `[batch, n, total]` is True where a query may look."""
     groups = q.shape[1] // keys.shape[1]
-    if groups > 1:  # grouped-query attention: each K/V head serves `groups` query heads
+    exporting = torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+    if groups > 1 and exporting:  # grouped-query attention: each K/V head serves `groups` query heads
         keys = keys.repeat_interleave(groups, dim=1)
         values = values.repeat_interleave(groups, dim=1)
     mask = mask.unsqueeze(1)
@@ -168,7 +169,29 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
         # ONNX's export of a bool mask adds it as float32, which would run a half-precision
         # attention (and o_proj after it) in float32; an additive mask of q's type does not
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    # eagerly, SDPA serves the K/V heads to their query groups itself (no repeated copy of
+    # the cache per step: 2-3x faster decoding at SmolLM2's 3 groups); exported graphs
+    # repeat them, as ONNX's attention has no grouped form
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=groups > 1 and not exporting)
+
+
+class Features:
+    """The hidden states a feature draft reads (EAGLE-3's "auxiliary hidden states"):
+    feature layer i is the hidden state entering decoder layer i (vLLM's and SpecForge's
+    convention), layer `num_layers` the one leaving the last layer before the final norm;
+    the chosen layers' states are concatenated in the order given: `[.., len * hidden]`."""
+
+    def __init__(self, layers: tuple[int, ...], num_layers: int):
+        if any(not 0 <= layer <= num_layers for layer in layers):
+            raise ValueError(f"feature layers {tuple(layers)} outside 0..{num_layers} (the model's layers)")
+        self.layers, self.taken = tuple(layers), {}
+
+    def take(self, layer: int, h: torch.Tensor) -> None:
+        if layer in self.layers:
+            self.taken[layer] = h
+
+    def joined(self) -> torch.Tensor | None:
+        return torch.cat([self.taken[layer] for layer in self.layers], dim=-1) if self.layers else None
 
 
 UNSCORED = -1e9  # the logit of a token outside a draft's output vocabulary: probability 0
@@ -223,18 +246,25 @@ class Llama(nn.Module):
                                                              past_keys, past_values)
         return self._logits(h), present_keys, present_values
 
-    def hidden_concat(self, input_ids, position_ids, attention_mask, past_keys, past_values):
-        """`forward_concat` up to the last hidden states (before the final norm)."""
+    def hidden_concat(self, input_ids, position_ids, attention_mask, past_keys, past_values,
+                      feature_layers: tuple[int, ...] = ()):
+        """`forward_concat` up to the last hidden states (before the final norm); with
+        `feature_layers`, their features (`Features`) as a fourth result."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq)
         present_keys, present_values = [], []
+        features = Features(feature_layers, self.shape.num_layers)
         for i, layer in enumerate(self.model.layers):
+            features.take(i, h)
             q, k, v = self._project_qkv(layer, h, cos, sin)
             keys = torch.cat((past_keys[i], k), dim=2)
             values = torch.cat((past_values[i], v), dim=2)
             present_keys.append(keys)
             present_values.append(values)
             h = self._finish_layer(layer, h, q, keys, values, attention_mask)
+        features.take(self.shape.num_layers, h)
+        if feature_layers:
+            return h, torch.stack(present_keys), torch.stack(present_values), features.joined()
         return h, torch.stack(present_keys), torch.stack(present_values)
 
     @torch.inference_mode()
@@ -247,21 +277,26 @@ class Llama(nn.Module):
 
     @torch.inference_mode()
     def forward_packed(self, kv: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, past: torch.Tensor,
-                       counts: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                       counts: torch.Tensor, mask: torch.Tensor,
+                       feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Engine form: a ragged batch over cache slots, as `engines/batching.py` packs it.
 
         `kv` `[layers, 2, batch, kv_heads, capacity, head_dim]` (the batch's rows of a
         `KVPool`, written in place); `tokens`, `positions` `[batch, n]` right-padded;
         `past`, `counts` `[batch]`: cached entries and new tokens per row; `mask`
-        `[batch, n, total]` by cache entry. Returns logits `[batch, n, vocab]`."""
+        `[batch, n, total]` by cache entry. Returns logits `[batch, n, vocab]` and the
+        features of `feature_layers` (`Features`; None without)."""
         total = mask.shape[-1]
         h = self.model.embed_tokens(tokens)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
+        features = Features(feature_layers, self.shape.num_layers)
         for i, layer in enumerate(self.model.layers):
+            features.take(i, h)
             q, k, v = self._project_qkv(layer, h, cos, sin)
             keys, values = kv[i, 0], kv[i, 1]
             for row, (start, count) in enumerate(zip(past.tolist(), counts.tolist())):
                 keys[row, :, start:start + count] = k[row, :, :count]
                 values[row, :, start:start + count] = v[row, :, :count]
             h = self._finish_layer(layer, h, q, keys[:, :, :total], values[:, :, :total], mask)
-        return self._logits(h)
+        features.take(self.shape.num_layers, h)
+        return self._logits(h), features.joined()

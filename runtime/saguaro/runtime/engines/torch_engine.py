@@ -49,7 +49,7 @@ class TorchEngine(OneSequenceForms):
         packed = pack_steps([step])
         past = torch.from_numpy(packed.seqlens_k + 1 - packed.query_seqlens)
         slot = slice(packed.first_slot, packed.first_slot + 1)
-        logits = self.model.forward_packed(self.pool.tensor[:, :, slot], torch.from_numpy(packed.input_ids),
+        logits, _ = self.model.forward_packed(self.pool.tensor[:, :, slot], torch.from_numpy(packed.input_ids),
                                            torch.from_numpy(packed.position_ids), past,
                                            torch.from_numpy(packed.query_seqlens),
                                            torch.from_numpy(packed.attention_mask))
