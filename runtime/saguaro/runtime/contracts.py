@@ -22,7 +22,7 @@ The loops exchange small result records: a `Draft` (K proposed tokens), a `Verif
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import NamedTuple, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -74,6 +74,10 @@ class EngineInfo:
     # by K: the largest branch budget whose pre-speculation hides under one verify on the
     # machine that built the engines (`engines.calibration`); None: not measured
     hidden_branches: tuple[int, ...] | None = None
+    # A target's: the layers whose hidden states it returns with its logits, for a feature
+    # draft (`llama.Features`); empty: none. A draft's: whether it reads them (`Step.hidden`).
+    feature_layers: tuple[int, ...] = ()
+    reads_features: bool = False
 
     @property
     def eos_token_id(self) -> int | None:
@@ -114,6 +118,17 @@ class Step:
     tokens: torch.Tensor               # [n] int64
     positions: torch.Tensor            # [n] int64
     mask: torch.Tensor | None = None   # [n, cache.length + n] bool; None: causal
+    # A feature draft's input: for the token at position p, the feature of position p - 1
+    # (the target's, projected, or the draft's own prediction); None: zeros
+    hidden: torch.Tensor | None = None  # [n, hidden]
+
+
+class Rows(NamedTuple):
+    """A step's results: its logits, and the hidden states a feature draft reads (a
+    target's `feature_layers`, or a feature draft's own predicted features); None else."""
+
+    logits: torch.Tensor                # [n, V]
+    hidden: torch.Tensor | None = None  # [n, features]
 
 
 @dataclass
@@ -132,11 +147,14 @@ class VerifyStep:
 class VerifyResult:
     """A round's outcome: `accepted` drafts (0..K), then the target's `bonus` token; with
     `logprobs` asked for, the target's log-probability of each of those `accepted + 1`
-    tokens (`saguaro.runtime.logprobs`)."""
+    tokens (`saguaro.runtime.logprobs`); from a target with feature layers, their hidden
+    states at the `accepted + 1` positions whose next token was committed (`[last,
+    d_1..d_accepted]`), for a feature draft."""
 
     accepted: int
     bonus: int
     logprobs: tuple[float, ...] | None = None
+    hidden: torch.Tensor | None = None  # [accepted + 1, features]
 
 
 class Engine(Protocol):
@@ -145,13 +163,18 @@ class Engine(Protocol):
 
     def new_cache(self, capacity: int) -> Cache: ...
     def forward_batch(self, steps: Sequence[Step]) -> list[torch.Tensor]: ...
+    def forward_rows(self, steps: Sequence[Step]) -> list[Rows]: ...
     def verify_batch(self, steps: Sequence[VerifyStep]) -> list[VerifyResult]: ...
     def plan_branches(self, scores: torch.Tensor, draft_tokens: torch.Tensor,
                       fanout: torch.Tensor, context_length: int) -> BranchPlan: ...
 
 
 class OneSequenceForms:
-    """`forward` and `verify` for one sequence, in terms of an engine's batched forms."""
+    """`forward` and `verify` for one sequence, in terms of an engine's batched forms;
+    `forward_rows` for an engine that returns no hidden states."""
+
+    def forward_rows(self, steps: Sequence[Step]) -> list[Rows]:
+        return [Rows(logits) for logits in self.forward_batch(steps)]
 
     def forward(self, cache: Cache, tokens: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -196,6 +219,9 @@ class Draft:
     tokens: torch.Tensor         # [K] int64
     probs: torch.Tensor | None   # [K, V]
     logits: torch.Tensor         # [K, V]
+    # a feature draft's own features at the rows the tokens were drafted from (row i: the
+    # feature of the position before token i); None from other drafts
+    hidden: torch.Tensor | None = None  # [K, hidden]
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -204,7 +230,8 @@ class Draft:
         """The first `count` drafts (a round that verifies fewer than were drafted)."""
         if count == len(self):
             return self
-        return Draft(self.tokens[:count], None if self.probs is None else self.probs[:count], self.logits[:count])
+        return Draft(self.tokens[:count], None if self.probs is None else self.probs[:count], self.logits[:count],
+                     None if self.hidden is None else self.hidden[:count])
 
 
 @dataclass

@@ -104,6 +104,7 @@ class Sequence:
                                          draft_cache_capacity(target.info.max_context, branches, self.k))
         self.empty = empty_draft(draft.info.vocab_size, request.sampling)
         self.proposal = None if self.k else self.empty
+        self.prespeculated = False  # the proposal is a hit's pre-speculated branch
         self.greedy, self.acceptance = request.sampling.greedy, Acceptance()
         self.plan = Plan(self.k)  # the load policy's, each round
         self.verified = 0               # drafts the last round verified
@@ -158,14 +159,22 @@ class Sequence:
         (returns whether the lookup hit; None without one)."""
         drafted = self.round_proposal.tokens
         self.verifier.keep(self.out.ids, outcome)
-        self.stats.record_round(outcome.accepted, len(drafted))
+        self.stats.record_round(outcome.accepted, len(drafted), self.prespeculated)
+        self.observe_features(len(self.out.ids) - 1, outcome.hidden)
         self.out.commit(drafted[:outcome.accepted].tolist() + [outcome.bonus], outcome.logprobs)
         self.proposal = None if self.k and self.plan.draft_tokens else self.empty
+        self.prespeculated = False
         if self.done or speculation is None:
             return None
         self.proposal = take_speculation(self.speculator, self.policy, self.stats, self.out.ids, drafted,
                                          speculation, outcome, verify_s)
-        return self.proposal is not None
+        self.prespeculated = self.proposal is not None
+        return self.prespeculated
+
+    def observe_features(self, first_position: int, hidden) -> None:
+        """The target's hidden states of committed positions, for a feature draft."""
+        if self.speculator is not None:
+            self.speculator.observe_features(first_position, hidden)
 
     def finish(self) -> Generation:
         for side in (self.verifier.cache, self.speculator):
@@ -196,10 +205,11 @@ class Decoder:
         if any(request.options.adapt_k for request in requests):
             self.policy.calibrate()
         sequences = [Sequence(request, self.target, self.draft) for request in requests]
-        prefills = [step for step in (s.verifier.prefill(s.request.prompt_ids) for s in sequences) if step]
+        prefilled = [(s, step) for s in sequences if (step := s.verifier.prefill(s.request.prompt_ids))]
         with stopwatch() as prefilling:
-            if prefills:
-                self.target.forward_batch(prefills)
+            rows = self.target.forward_rows([step for _, step in prefilled]) if prefilled else []
+        for (sequence, _), prompt_rows in zip(prefilled, rows):
+            sequence.observe_features(0, prompt_rows.hidden)
         for sequence in sequences:
             sequence.stats.prefill_s += prefilling.seconds
         self.draft_misses(sequences)

@@ -32,9 +32,12 @@ def committed_tokens(draft_tokens: torch.Tensor, accepted: int, bonus: int) -> l
     return [int(token) for token in draft_tokens[:accepted]] + [int(bonus)]
 
 
-def verify_result(accepted: int, bonus: int, logits: torch.Tensor, step: VerifyStep) -> VerifyResult:
-    """A round's outcome, with the log-probabilities its `VerifyStep` asked for."""
+def verify_result(accepted: int, bonus: int, logits: torch.Tensor, step: VerifyStep,
+                  hidden: torch.Tensor | None = None) -> VerifyResult:
+    """A round's outcome, with the log-probabilities its `VerifyStep` asked for and, from
+    a target with feature layers, the hidden states of its committed positions."""
+    kept = None if hidden is None else hidden[:accepted + 1]
     if not step.logprobs:
-        return VerifyResult(accepted, bonus)
+        return VerifyResult(accepted, bonus, hidden=kept)
     return VerifyResult(accepted, bonus, token_logprobs(logits, committed_tokens(step.draft_tokens, accepted, bonus),
-                                                       step.sampling))
+                                                       step.sampling), kept)

@@ -18,7 +18,7 @@ from saguaro.runtime.contracts import RequestTarget
 from saguaro.runtime.decoding import Cancelled, Decoder, Generation, OnStart, OnTokens, Request
 from saguaro.runtime.scheduler import Scheduler
 from saguaro.runtime.engines import load_engine_pair
-from saguaro.runtime.engines.torch_engine import TorchEngine
+from saguaro.runtime.engines.torch_engine import TorchEngine, torch_draft
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.prompts import PromptError, chat_messages, encode_chat, encode_text
 from saguaro.runtime.sampling import SamplingParams
@@ -98,7 +98,8 @@ class Pipeline:
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None,
              engines: str | Path | None = None, threads: int | None = 1,
              options: DecodeOptions | None = None, **scheduling) -> "Pipeline":
-        """Checkpoint folders (`target` and `draft`) or a built engine folder (`engines`).
+        """Checkpoint folders (`target` and `draft`, a checkpoint or a feature draft's
+        head) or a built engine folder (`engines`).
 
         `threads` sets torch's intra-op threads: the target and the draft each run on one
         core, so a second thread each would oversubscribe a 2-core machine. `options`
@@ -110,7 +111,8 @@ class Pipeline:
         if engines is not None:
             target_engine, draft_engine = load_engine_pair(engines)
         elif target is not None and draft is not None:
-            target_engine, draft_engine = TorchEngine(target), TorchEngine(draft)
+            target_engine = TorchEngine(target)
+            draft_engine = torch_draft(draft, target_engine)
         else:
             raise RequestError("give either an engine folder or both target and draft checkpoints")
         check_pair_compatible(target_engine.info.vocab_size, draft_engine.info.vocab_size,

@@ -64,6 +64,10 @@ class PinnedEngine:
         self._pin_caller()
         return self._engine.forward_batch(steps)
 
+    def forward_rows(self, steps):
+        self._pin_caller()
+        return self._engine.forward_rows(steps)
+
     def verify_batch(self, steps):
         self._pin_caller()
         return self._engine.verify_batch(steps)

@@ -8,8 +8,18 @@ context first, so a round can follow any earlier one: a hit, a miss, or plain
 speculative decoding.
 
 `draft` and `prespeculate` are coroutines: each forward they need is yielded as a `Step`
-and its logits are sent back, so `lockstep` can run many sequences' steps as one batched
-forward while each sequence's code reads as if it ran alone.
+and its rows (`Rows`: logits, and a feature draft's own features) are sent back, so
+`lockstep` can run many sequences' steps as one batched forward while each sequence's
+code reads as if it ran alone.
+
+A feature draft (EAGLE-3) reads, beside each token, the feature of the position before it
+(`DraftFeatures`): the target's, once its rows return them (the prefill, each round's
+outcome), else its own prediction. Drafts run on its own predictions past the committed
+context, and so do pre-speculated branches (the target's features for the accepted
+prefix come only with the verify they run under); on the next sync, entries fed with
+predicted features are fed again with the target's. Every draft is still verified
+against the q it was sampled from, so which features a draft read changes acceptance
+only, never the output.
 """
 from __future__ import annotations
 
@@ -18,10 +28,10 @@ from typing import Generator, Sequence
 import torch
 
 from saguaro.plugins.branch_draft.reference import commit_indices, feasible_fanout, step_mask
-from saguaro.runtime.contracts import Draft, SpeculationCache, Step
+from saguaro.runtime.contracts import Draft, Rows, SpeculationCache, Step
 from saguaro.runtime.sampling import SaguaroSampling, SamplingParams, pick_tokens
 
-Forwards = Generator[Step, torch.Tensor, object]  # yields steps, receives their logits
+Forwards = Generator[Step, Rows, object]  # yields steps, receives their rows
 
 
 def lockstep(engine, coroutines: Sequence[Forwards]) -> list:
@@ -29,9 +39,9 @@ def lockstep(engine, coroutines: Sequence[Forwards]) -> list:
     one batched forward. Returns each coroutine's result, in order."""
     results, pending = [None] * len(coroutines), {}
 
-    def advance(index: int, logits=None) -> None:
+    def advance(index: int, rows=None) -> None:
         try:
-            pending[index] = coroutines[index].send(logits)
+            pending[index] = coroutines[index].send(rows)
         except StopIteration as finished:
             pending.pop(index, None)
             results[index] = finished.value
@@ -40,8 +50,8 @@ def lockstep(engine, coroutines: Sequence[Forwards]) -> list:
         advance(index)
     while pending:
         order = list(pending)
-        for index, logits in zip(order, engine.forward_batch([pending[i] for i in order])):
-            advance(index, logits)
+        for index, rows in zip(order, engine.forward_rows([pending[i] for i in order])):
+            advance(index, rows)
     return results
 
 
@@ -50,51 +60,92 @@ def empty_draft(vocab: int, sampling: SamplingParams) -> Draft:
                  torch.empty(0, vocab))
 
 
+class DraftFeatures:
+    """The target's features of the committed positions, as a feature draft reads them
+    (projected), and how many leading draft-cache entries were fed with them (`exact`)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.known: list[torch.Tensor] = []  # by position: the target's projected feature
+        self.exact = 0
+
+    def observe(self, first_position: int, features: torch.Tensor) -> None:
+        """The target's features `[n, width]` of positions `first_position..`."""
+        del self.known[first_position:]
+        self.known.extend(self.engine.project(features))
+
+    def before(self, first_position: int, count: int) -> torch.Tensor:
+        """For tokens at `first_position..+count`: the features of the positions before
+        them (zeros before position 0, which has none)."""
+        if first_position + count - 2 >= len(self.known):
+            raise RuntimeError(f"the target's features reach position {len(self.known) - 1}; a feature draft "
+                               f"feeding positions up to {first_position + count - 1} needs those before them")
+        zero = torch.zeros(self.engine.hidden_size)
+        return torch.stack([self.known[p - 1] if p > 0 else zero for p in range(first_position, first_position + count)])
+
+
 class Speculator:
     def __init__(self, engine, sampling: SamplingParams, saguaro: SaguaroSampling | None, capacity: int):
         self.engine, self.sampling, self.saguaro = engine, sampling, saguaro
         self.cache = engine.new_cache(capacity)
         self.cached: list[int] = []
+        self.features = DraftFeatures(engine) if engine.info.reads_features else None
 
     def release(self) -> None:
         self.cache.release()
 
-    def _feed(self, tokens: list[int], first_position: int) -> Forwards:
+    def observe_features(self, first_position: int, features: torch.Tensor | None) -> None:
+        """The target's features of committed positions from `first_position` (its rows)."""
+        if self.features is not None and features is not None:
+            self.features.observe(first_position, features)
+
+    def _feed(self, tokens: list[int], first_position: int, hidden: torch.Tensor | None = None) -> Forwards:
         positions = torch.arange(first_position, first_position + len(tokens))
-        logits = yield Step(self.cache, torch.tensor(tokens), positions)
+        rows = yield Step(self.cache, torch.tensor(tokens), positions, hidden=hidden)
         self.cached.extend(tokens)
-        return logits[-1]
+        return Rows(rows.logits[-1], None if rows.hidden is None else rows.hidden[-1])
 
     def _keep(self, length: int) -> None:
         self.cache.truncate(length)
         del self.cached[length:]
+        if self.features is not None:
+            self.features.exact = min(self.features.exact, length)
 
     def _sync(self, ids: list[int]) -> Forwards:
-        """Roll the cache back to what it shares with `ids`, feed the rest, return the
-        logits that follow `ids` (the last token is re-fed if it was already cached)."""
+        """Roll the cache back to what it shares with `ids` (for a feature draft: what was
+        fed the target's features), feed the rest, return the rows that follow `ids` (the
+        last token is re-fed if it was already cached)."""
         shared = 0
         for cached, wanted in zip(self.cached, ids[:-1]):
             if cached != wanted:
                 break
             shared += 1
-        self._keep(shared)
-        return (yield from self._feed(ids[shared:], shared))
+        if self.features is None:
+            self._keep(shared)
+            return (yield from self._feed(ids[shared:], shared))
+        self._keep(min(shared, self.features.exact))
+        start = len(self.cached)
+        rows = yield from self._feed(ids[start:], start, self.features.before(start, len(ids) - start))
+        self.features.exact = len(ids)
+        return rows
 
     def draft(self, ids: list[int], k: int) -> Forwards:
-        """Ordinary drafting: k tokens from `ids`, one forward each (the last not fed)."""
+        """Ordinary drafting: k tokens from `ids`, one forward each (the last not fed); a
+        feature draft feeds each token with its own feature of the row before."""
         if k == 0:
             return empty_draft(self.engine.info.vocab_size, self.sampling)
-        logits = yield from self._sync(ids)
-        tokens, probs, rows = [], [], []
+        rows = yield from self._sync(ids)
+        tokens, probs, drafted_from = [], [], []
         for step in range(k):
-            token, q = pick_tokens(logits, self.sampling, self.saguaro, torch.tensor(len(ids) + step))
+            token, q = pick_tokens(rows.logits, self.sampling, self.saguaro, torch.tensor(len(ids) + step))
             tokens.append(int(token))
             probs.append(q)
-            rows.append(logits)
+            drafted_from.append(rows)
             if step < k - 1:
-                logits = yield from self._feed([tokens[-1]], len(ids) + step)
+                rows = yield from self._feed([tokens[-1]], len(ids) + step, own_feature(rows))
+        hidden = None if self.features is None else torch.stack([r.hidden for r in drafted_from])
         return Draft(torch.tensor(tokens), None if self.sampling.greedy else torch.stack(probs),
-                     torch.stack(rows))
+                     torch.stack([r.logits for r in drafted_from]), hidden)
 
     def prespeculate(self, ids: list[int], draft: Draft, fanout: torch.Tensor) -> Forwards:
         """While the target verifies `draft` (K tokens): draft K tokens for each likely
@@ -102,22 +153,28 @@ class Speculator:
         k, context_length = len(draft), len(ids)
         self._keep(context_length + k - 1)  # the round may verify fewer drafts than were drafted
         fanout = feasible_fanout(torch.as_tensor(fanout, dtype=torch.int64), self.engine.info.vocab_size)
-        glue = yield from self._feed([int(draft.tokens[-1])], context_length + k - 1)
-        scores = torch.cat((draft.logits, glue.unsqueeze(0)))
+        glue = yield from self._feed([int(draft.tokens[-1])], context_length + k - 1,
+                                     None if draft.hidden is None else draft.hidden[-1:])
+        scores = torch.cat((draft.logits, glue.logits.unsqueeze(0)))
         plan = self.engine.plan_branches(scores, draft.tokens, fanout, context_length)
         branches = plan.branches
-        fed, step_probs, step_logits = [plan.token], [], []
+        # a feature draft's branch (j, t) starts from its own feature of row j
+        hidden = None if draft.hidden is None else torch.cat((draft.hidden, glue.hidden[None]))[plan.depth]
+        fed, step_probs, step_logits, step_hidden = [plan.token], [], [], []
         for step in range(k):
             mask = step_mask(plan.window_mask, context_length, step, branches, k)
-            logits = yield Step(self.cache, fed[-1], plan.positions[step], mask)
-            tokens, q = pick_tokens(logits, self.sampling, self.saguaro, plan.positions[step] + 1)
+            rows = yield Step(self.cache, fed[-1], plan.positions[step], mask, hidden)
+            tokens, q = pick_tokens(rows.logits, self.sampling, self.saguaro, plan.positions[step] + 1)
             fed.append(tokens)
-            step_logits.append(logits)
+            step_logits.append(rows.logits)
             step_probs.append(q)
+            step_hidden.append(hidden := rows.hidden)
         drafted = torch.stack(fed[1:], dim=1)  # [B, K]: e_1..e_K of each branch
         logits = torch.stack(step_logits, dim=1)
         probs = None if self.sampling.greedy else torch.stack(step_probs, dim=1)
-        drafts = [Draft(drafted[b], None if probs is None else probs[b], logits[b]) for b in range(branches)]
+        hidden = None if draft.hidden is None else torch.stack(step_hidden, dim=1)
+        drafts = [Draft(drafted[b], None if probs is None else probs[b], logits[b],
+                        None if hidden is None else hidden[b]) for b in range(branches)]
         keys = {(int(j), int(t)): b for b, (j, t) in enumerate(zip(plan.depth, plan.token))}
         return SpeculationCache(keys, drafts, scores, context_length)
 
@@ -130,3 +187,8 @@ class Speculator:
         draft = speculation.drafts[branch]
         self.cached = list(new_ids) + draft.tokens[:-1].tolist()
         return draft
+
+
+def own_feature(rows: Rows) -> torch.Tensor | None:
+    """A feature draft's prediction for the row's position, as the next token's input."""
+    return None if rows.hidden is None else rows.hidden[None]
