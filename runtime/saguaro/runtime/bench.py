@@ -94,7 +94,8 @@ def write_json(path: Path | None, figures: dict) -> None:
 
 def run_mode(pipeline, prompts, options, sampling) -> dict:
     """`prompts`: token ids of each prompt; totals over them."""
-    keys = ("tokens", "total_s", "prefill_s", "verify_s", "draft_s", "wait_s", "rounds", "cache_hits", "cache_misses")
+    keys = ("tokens", "total_s", "prefill_s", "verify_s", "draft_s", "wait_s", "rounds", "cache_hits", "cache_misses",
+            "drafted_tokens", "prespeculated_drafted", "prespeculated_accepted")
     totals = dict.fromkeys(keys, 0) | {"accepted": 0.0}
     for prompt in prompts:
         stats = pipeline.generate(prompt, options, sampling).stats
@@ -121,17 +122,24 @@ def mode_options(args, k: int, branch_options: dict) -> list[tuple[str, DecodeOp
 
 
 def mode_row(name: str, t: dict, baseline: float, prompts: int) -> str:
+    """A mode's figures; `pre/fresh`: accepted per drafted token of pre-speculated drafts
+    (a hit's branch) and of the others."""
     looked_up = t["cache_hits"] + t["cache_misses"]
     hit = f"{100 * t['cache_hits'] / looked_up:5.0f}" if looked_up else "    -"
     speed = t["decode_tokens_per_s"]
+    fresh = t["drafted_tokens"] - t["prespeculated_drafted"]
+    split = (f"{t['prespeculated_accepted'] / t['prespeculated_drafted']:.2f}/"
+             f"{(t['accepted'] - t['prespeculated_accepted']) / fresh:.2f}"
+             if t["prespeculated_drafted"] and fresh else "-")
     return (f"{name:24s} {speed:7.1f} {speed / baseline:6.2f} {1000 * t['prefill_s'] / prompts:10.1f} "
-            f"{t['accepted'] / t['rounds']:7.2f} {hit} {t['verify_s']:8.2f} {t['draft_s']:8.2f} {t['wait_s']:7.2f}")
+            f"{t['accepted'] / t['rounds']:7.2f} {hit} {split:>9s} {t['verify_s']:8.2f} {t['draft_s']:8.2f} "
+            f"{t['wait_s']:7.2f}")
 
 
 def transformers_row(name: str, timing, baseline: float, prompts: int) -> str:
     speed = timing.decode_tokens_per_s
     return (f"{name:24s} {speed:7.1f} {speed / baseline:6.2f} {1000 * timing.prefill_s / prompts:10.1f} "
-            f"{'-':>7s} {'-':>5s} {'-':>8s} {'-':>8s} {'-':>7s}")
+            f"{'-':>7s} {'-':>5s} {'-':>9s} {'-':>8s} {'-':>8s} {'-':>7s}")
 
 
 def checkpoints_for_assisted(args) -> tuple[Path, Path] | None:
@@ -173,7 +181,7 @@ def run_modes(args) -> dict:
     prompts = [encode(text) for text in (CHAT_PROMPTS if args.chat else PROMPTS)[: args.prompts]]
     print(f"{len(prompts)} prompts x {args.max_tokens} tokens; tok/s counts decoding, prefill is per prompt")
     print(f"{'mode':24s} {'tok/s':>7s} {'vs AR':>6s} {'prefill ms':>10s} {'acc/rnd':>7s} {'hit%':>5s} "
-          f"{'verify s':>8s} {'draft s':>8s} {'wait s':>7s}")
+          f"{'pre/fresh':>9s} {'verify s':>8s} {'draft s':>8s} {'wait s':>7s}")
     baseline = None
     for name, options in mode_options(args, k, branch_options):
         totals = run_mode(pipeline, prompts, options, sampling)
