@@ -45,7 +45,7 @@ from saguaro.modelmaker.model_pair import pinned_torch
 from saguaro.modelmaker.train import TrainSettings, fit
 from saguaro.runtime.checkpoint import load_checkpoint
 from saguaro.runtime.feature_head import FeatureHead, FeatureHeadShape, default_feature_layers, save_feature_head
-from saguaro.runtime.llama import Llama, rope_cos_sin
+from saguaro.runtime.llama import Features, Llama, rope_cos_sin
 
 KIND = "feature"
 
@@ -125,10 +125,9 @@ def answer_batch(model: Llama, prompts: list[list[int]], new_tokens: int, stop_i
     dtype = model.lm_head.weight.dtype
     layers, heads, dim = model.shape.kv_shape
     kv = torch.zeros(layers, 2, rows, heads, max(lengths) + new_tokens, dim, dtype=dtype)
-    logits, features = prefill(model, kv, prompts, feature_layers)
+    last, features = prefill(model, kv, prompts, feature_layers)
     records = [Record(list(p), [features[r, :len(p)]]) for r, p in enumerate(prompts)]
     alive = list(range(rows))
-    last = torch.stack([logits[r, length - 1] for r, length in enumerate(lengths)])
     for step in range(new_tokens):
         tokens = take_top(records, alive, last, soft_top)
         alive, keep = still_going(records, alive, tokens, stop_ids, step == new_tokens - 1)
@@ -155,14 +154,21 @@ class Record:
 
 
 def prefill(model: Llama, kv: torch.Tensor, prompts: list[list[int]], feature_layers):
+    """The prompts in one forward, their K/V copied into the cache rows; returns each
+    row's next-token logits and the features of every prompt position. The concat form
+    without logits: the lm_head over every prompt position would cost more than the rest."""
     rows, width = len(prompts), max(map(len, prompts))
     tokens = torch.zeros(rows, width, dtype=torch.long)
     for r, prompt in enumerate(prompts):
         tokens[r, :len(prompt)] = torch.tensor(prompt)
     mask = (torch.arange(width) <= torch.arange(width).unsqueeze(1)).expand(rows, width, width)
-    counts = torch.tensor([len(p) for p in prompts])
-    return model.forward_packed(kv, tokens, torch.arange(width).expand(rows, width), torch.zeros(rows, dtype=torch.long),
-                                counts, mask, feature_layers)
+    layers, heads, dim = model.shape.kv_shape
+    empty = torch.zeros(layers, rows, heads, 0, dim, dtype=kv.dtype)
+    h, keys, values, features = model.hidden_concat(tokens, torch.arange(width).expand(rows, width), mask, empty,
+                                                    empty, feature_layers)
+    kv[:, 0, :, :, :width], kv[:, 1, :, :, :width] = keys, values  # past a row's prompt: overwritten or unseen
+    last = torch.stack([h[r, len(prompt) - 1] for r, prompt in enumerate(prompts)])
+    return model.output_logits(last), features
 
 
 def decode_step(model: Llama, kv: torch.Tensor, tokens: torch.Tensor, positions: list[int], feature_layers):
@@ -397,6 +403,7 @@ def make_feature_draft(target_dir: str | Path, out: str | Path,
     check_output(out)
     checkpoint = load_checkpoint(target_dir)
     layers = tuple(feature_layers or default_feature_layers(checkpoint.shape.num_layers))
+    Features(layers, checkpoint.shape.num_layers)  # refuses layers outside the target's, before any work
     seconds: dict[str, float] = {}
     bf16 = fast_bfloat16()
     with pinned_torch(settings.threads):
