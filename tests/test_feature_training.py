@@ -116,3 +116,16 @@ def test_draft_folder_is_a_release_format_head(tiny_pair, target, tmp_path):
     assert report["feature_layers"] == [0, 1, 2] and set(report["step_seconds"]) >= {"target", "draft", "ratio"}
     head = load_feature_head(out, target.shape, target.model.model.embed_tokens.weight)
     assert head.shape.draft_vocab_size == report["output_vocab"] == 200
+
+
+def test_make_models_kind_and_feature_layers(tmp_path):
+    from saguaro.modelmaker.cli import draft_settings, parse_args
+
+    common = ["--draft-for", str(tmp_path / "target"), "--out", str(tmp_path / "out")]
+    assert parse_args(common).kind == "pruned"  # the default until the runtime drafts with heads
+    args = parse_args(common + ["--kind", "feature", "--feature-layers", "2,15,27", "--output-vocab", "1000"])
+    assert args.feature_layers == (2, 15, 27) and draft_settings(args).draft_vocab_size == 1000
+    for wrong in (["--feature-layers", "1,2"], ["--kind", "feature", "--layers", "4"],
+                  ["--kind", "feature", "--feature-layers", "2,x"]):
+        with pytest.raises(SystemExit):
+            parse_args(common + wrong)
