@@ -4,6 +4,8 @@
     python scripts/make_models.py --size bench            # models/bench, about 25 min
     python scripts/make_models.py --size tiny --out /tmp/pair --seed 1 --force
     python scripts/make_models.py --draft-for models/smollm2 --out models/smollm2-draft [--preset quick]
+    python scripts/make_models.py --draft-for models/smollm2 --out models/smollm2-head --kind feature \
+        [--preset quick] [--feature-layers 2,15,27]
 
 An existing pair with the same size and seed (or draft with the same settings) is kept
 unless --force is given.
@@ -17,10 +19,13 @@ import sys
 import json
 from pathlib import Path
 
-from saguaro.modelmaker import draft_for
+from saguaro.modelmaker import draft_for, feature_draft
 from saguaro.modelmaker.acceptance import format_acceptance
 from saguaro.modelmaker.model_pair import PRESETS, make_pair
 from saguaro.runtime.checkpoint import CheckpointError
+
+
+KIND_FEATURE = feature_draft.KIND
 
 
 def non_negative_int(text: str) -> int:
@@ -31,6 +36,16 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"seed must be 0 or more, got {value}")
     return value
+
+
+def layer_list(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"feature layers are whole numbers separated by commas, got {text!r}") from None
+    if any(layer < 0 for layer in layers):
+        raise argparse.ArgumentTypeError(f"feature layers are 0 or more, got {text!r}")
+    return layers
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,13 +60,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     drafting = parser.add_argument_group("with --draft-for")
     drafting.add_argument("--preset", choices=sorted(draft_for.PRESETS), default="full",
                           help="full: the 30-minute draft; quick: about two minutes, weaker")
+    drafting.add_argument("--kind", choices=("pruned", KIND_FEATURE), default="pruned",
+                          help="pruned: a few of the target's layers, distilled; feature: an EAGLE-3 head "
+                               "reading the target's hidden states (release format)")
+    drafting.add_argument("--feature-layers", type=layer_list, metavar="I,J,K",
+                          help="with --kind feature: the hidden states entering these target layers "
+                               "(default 2, L/2, L-3)")
     drafting.add_argument("--layers", type=int, help="target layers the draft keeps (default 4)")
-    drafting.add_argument("--output-vocab", type=int, help="tokens the draft scores (default 8192)")
+    drafting.add_argument("--output-vocab", type=int, help="tokens the draft scores (default 8192; quick feature "
+                                                            "head 4096)")
     drafting.add_argument("--steps", type=int, help="distillation steps")
     drafting.add_argument("--threads", type=int, help="torch threads (default 2)")
     args = parser.parse_args(argv)
     if args.draft_for is not None and args.out is None:
         parser.error("--draft-for needs --out")
+    if args.kind != KIND_FEATURE and args.feature_layers is not None:
+        parser.error("--feature-layers goes with --kind feature")
+    if args.kind == KIND_FEATURE and args.layers is not None:
+        parser.error("--layers goes with --kind pruned (a feature head has one layer; see --feature-layers)")
     args.out = args.out if args.out is not None else Path("models") / args.size
     # The nearest existing path must be a folder; mkdir would otherwise fail mid-way.
     existing = next((p for p in (args.out, *args.out.parents) if p.exists()), None)
@@ -82,25 +108,33 @@ def describe(report: dict) -> str:
     )
 
 
-def draft_settings(args: argparse.Namespace) -> draft_for.DraftSettings:
-    settings = draft_for.PRESETS[args.preset]
-    changes = {"num_layers": args.layers, "output_vocab": args.output_vocab, "threads": args.threads,
-               "seed": args.seed}
+def draft_settings(args: argparse.Namespace):
+    if args.kind == KIND_FEATURE:
+        settings = feature_draft.PRESETS[args.preset]
+        changes = {"draft_vocab_size": args.output_vocab, "threads": args.threads, "seed": args.seed}
+    else:
+        settings = draft_for.PRESETS[args.preset]
+        changes = {"num_layers": args.layers, "output_vocab": args.output_vocab, "threads": args.threads,
+                   "seed": args.seed}
     settings = dataclasses.replace(settings, **{k: v for k, v in changes.items() if v is not None})
     if args.steps is not None:
         settings = dataclasses.replace(settings, train=dataclasses.replace(settings.train, steps=args.steps))
     return settings
 
 
-def existing_draft(out_dir: Path, settings: draft_for.DraftSettings) -> dict | None:
+def existing_draft(out_dir: Path, settings, kind: str = "pruned", feature_layers=None) -> dict | None:
     try:
         report = json.loads((out_dir / draft_for.REPORT_FILE).read_text())
     except (OSError, json.JSONDecodeError):
+        return None
+    if report.get("kind", "pruned") != kind or (feature_layers and report.get("feature_layers") != list(feature_layers)):
         return None
     return report if report.get("settings") == json.loads(json.dumps(dataclasses.asdict(settings))) else None
 
 
 def describe_draft(report: dict) -> str:
+    if report.get("kind") == KIND_FEATURE:
+        return describe_feature_draft(report)
     weights = report["decode_weights"]
     return (f"draft: target layers {report['layers']}, {report['output_vocab']} output tokens (covering "
             f"{report['output_coverage']:.3f} of held-out target tokens); decode weights "
@@ -110,14 +144,28 @@ def describe_draft(report: dict) -> str:
             f"after distillation:  {format_acceptance(report['acceptance'])}")
 
 
+def describe_feature_draft(report: dict) -> str:
+    weights, costs = report["decode_weights"], report["step_seconds"]
+    return (f"feature head: target layers {report['feature_layers']} (hidden states entering them), "
+            f"{report['output_vocab']} output tokens (covering {report['output_coverage']:.3f} of held-out target "
+            f"tokens); weights per step {weights['draft'] / 1e6:.1f}M vs the target's {weights['target'] / 1e6:.1f}M; "
+            f"step {costs['draft'] * 1e3:.2f} ms vs the target's {costs['target'] * 1e3:.2f} ms "
+            f"({costs['ratio']:.3f}); seconds {report['seconds']}\n"
+            f"before training: {format_acceptance(report['acceptance_before_distillation'])}\n"
+            f"after training:  {format_acceptance(report['acceptance'])}")
+
+
 def make_draft(args: argparse.Namespace) -> int:
     settings = draft_settings(args)
-    report = None if args.force else existing_draft(args.out, settings)
+    report = None if args.force else existing_draft(args.out, settings, args.kind, args.feature_layers)
     if report is not None:
         print(f"{args.out} already holds a draft made with these settings (--force remakes it)")
     else:
         try:
-            report = draft_for.make_draft_for(args.draft_for, args.out, settings)
+            if args.kind == KIND_FEATURE:
+                report = feature_draft.make_feature_draft(args.draft_for, args.out, settings, args.feature_layers)
+            else:
+                report = draft_for.make_draft_for(args.draft_for, args.out, settings)
         except (CheckpointError, ValueError) as error:
             print(f"make_models.py: error: {error}", file=sys.stderr)
             return 2

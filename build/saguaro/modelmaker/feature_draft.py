@@ -1,0 +1,485 @@
+"""Train an EAGLE-3 feature head for any Llama target on CPU, from the target's own answers.
+
+    the target answers training prompts greedily, many sequences per forward (`Llama.
+    forward_packed` over a batch of cache rows), recording at every position its hidden
+    states at the head's feature layers and its top tokens' probabilities (soft labels):
+    bfloat16 where the CPU has fast bf16 kernels, the held-out answers in float32 so the
+    reported agreement is the real one
+    -> the head starts with the target's final norm and the target's lm_head rows for the
+       draft vocabulary (the tokens the target answers with most, and its end tokens)
+    -> training-time test (EAGLE-3): each step unrolls `ttt_steps` drafting steps, the
+       first on the target's features, the later ones on the head's own `hidden_out`,
+       attending to the true-feature keys before the chain and to the chain's own keys;
+       loss = cross-entropy against the target's soft labels and its greedy tokens
+    -> held-out report: greedy agreement per token (true features), the mean accepted
+       length at K (each round drafts K tokens on its own features and counts the prefix
+       the target's greedy answer agrees with), and the head's cost per step against the
+       target's (batch 1, one thread)
+    -> a release-format head folder (`feature_head.save_feature_head`), the target's
+       tokenizer files, and draft.json (the report, naming the target it was trained for)
+
+Indexing used throughout: element e of a sequence's arrays is the token at position
+e + 1 paired with the target's feature of position e (the token at position 0 has no
+feature before it, as in the releases); step j of an unrolled chain started at element e
+reads the token at position e + j and predicts the one at e + j + 1.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from saguaro.modelmaker.draft_for import COPIED_FILES, REPORT_FILE, check_output, coverage, decode_cost, \
+    encode_prompt, output_vocabulary
+from saguaro.modelmaker.draft_prompts import prompt_set
+from saguaro.modelmaker.draft_training import soft_cross_entropy
+from saguaro.modelmaker.model_pair import pinned_torch
+from saguaro.modelmaker.train import TrainSettings, fit
+from saguaro.runtime.checkpoint import load_checkpoint
+from saguaro.runtime.feature_head import FeatureHead, FeatureHeadShape, default_feature_layers, save_feature_head
+from saguaro.runtime.llama import Features, Llama, rope_cos_sin
+
+KIND = "feature"
+
+
+@dataclass(frozen=True)
+class FeatureDraftSettings:
+    draft_vocab_size: int = 8192
+    train_prompts: int = 1024
+    held_out_prompts: int = 32
+    new_tokens: int = 128
+    chat_share: float = 0.6      # the rest are documentation-text prompts
+    generation_batch: int = 32
+    train: TrainSettings = TrainSettings(steps=700, batch_size=8, seq_len=0, lr=1e-3, warmup_steps=30)
+    ttt_steps: int = 3           # drafting steps unrolled per training step
+    step_decay: float = 0.8      # weight of step j's loss: step_decay ** (j - 1)
+    soft_top: int = 16           # target tokens per position whose probabilities the head learns
+    soft_weight: float = 1.0     # weight of that soft term against the greedy-token term
+    k: int = 4                   # the draft length acceptance is reported for
+    threads: int = 2
+    seed: int = 0
+
+
+PRESETS = {
+    # The target answering 1024 prompts x 128 tokens in bf16 batches of 32, then 700 steps
+    # on them: under 30 minutes on 2 free cores (see docs/drafts.md for the measured run).
+    "full": FeatureDraftSettings(),
+    # The quickstart's: under 3 minutes on 2 cores shared with other work; a weak head.
+    "quick": FeatureDraftSettings(draft_vocab_size=4096, train_prompts=64, held_out_prompts=16, new_tokens=32,
+                                  train=TrainSettings(steps=60, batch_size=8, seq_len=0, lr=2e-3, warmup_steps=6)),
+}
+
+
+@dataclass
+class Answer:
+    """A prompt and the target's greedy continuation (ending at a stop token if reached),
+    the target's joined features of positions 0..len - 2 (the last token is never fed),
+    and its top tokens and log-probabilities for each continuation token."""
+
+    ids: list[int]
+    start: int                   # index of the first continuation token
+    features: torch.Tensor       # [len(ids) - 1, feature_width]
+    top_ids: torch.Tensor        # [len(ids) - start, soft_top]
+    top_logprobs: torch.Tensor   # [len(ids) - start, soft_top]
+
+    @property
+    def continuation(self) -> list[int]:
+        return self.ids[self.start:]
+
+
+def fast_bfloat16() -> bool:
+    """bf16 matrix kernels beat fp32 on CPUs with AVX512-BF16 or AMX (oneDNN uses them)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return torch.backends.mkldnn.is_available() and ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+# The target's answers, many sequences per forward.
+
+@torch.no_grad()
+def collect_answers(model: Llama, prompts: list[list[int]], new_tokens: int, batch: int, stop_ids: tuple[int, ...],
+                    soft_top: int, feature_layers: tuple[int, ...], progress: bool = False) -> list[Answer]:
+    """Greedy answers to `prompts` (token ids) in batches of `batch` sequences, in the
+    model's own dtype; rows that have stopped leave the batch."""
+    answers = []
+    for first in range(0, len(prompts), batch):
+        answers += answer_batch(model, prompts[first:first + batch], new_tokens, stop_ids, soft_top, feature_layers)
+        if progress:
+            print(f"  target answered {len(answers)}/{len(prompts)} prompts", flush=True)
+    return answers
+
+
+def answer_batch(model: Llama, prompts: list[list[int]], new_tokens: int, stop_ids: tuple[int, ...],
+                 soft_top: int, feature_layers: tuple[int, ...]) -> list[Answer]:
+    rows, lengths = len(prompts), [len(p) for p in prompts]
+    dtype = model.lm_head.weight.dtype
+    layers, heads, dim = model.shape.kv_shape
+    kv = torch.zeros(layers, 2, rows, heads, max(lengths) + new_tokens, dim, dtype=dtype)
+    last, features = prefill(model, kv, prompts, feature_layers)
+    records = [Record(list(p), [features[r, :len(p)]]) for r, p in enumerate(prompts)]
+    alive = list(range(rows))
+    for step in range(new_tokens):
+        tokens = take_top(records, alive, last, soft_top)
+        alive, keep = still_going(records, alive, tokens, stop_ids, step == new_tokens - 1)
+        if not alive:
+            break
+        if len(keep) < kv.shape[2]:  # rows stopped: the batch shrinks (one copy of the cache)
+            kv, tokens = kv[:, :, keep], tokens[keep]
+        last, features = decode_step(model, kv, tokens, [len(records[r].ids) - 1 for r in alive], feature_layers)
+        for row, r in enumerate(alive):
+            records[r].features.append(features[row:row + 1])
+    return [record.answer(length) for record, length in zip(records, lengths)]
+
+
+@dataclass
+class Record:
+    ids: list[int]
+    features: list[torch.Tensor]
+    top_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    top_logprobs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    def answer(self, start: int) -> Answer:
+        features = torch.cat(self.features)[:len(self.ids) - 1]
+        return Answer(self.ids, start, features.clone(), torch.stack(self.top_ids), torch.stack(self.top_logprobs))
+
+
+def prefill(model: Llama, kv: torch.Tensor, prompts: list[list[int]], feature_layers):
+    """The prompts in one forward, their K/V copied into the cache rows; returns each
+    row's next-token logits and the features of every prompt position. The concat form
+    without logits: the lm_head over every prompt position would cost more than the rest."""
+    rows, width = len(prompts), max(map(len, prompts))
+    tokens = torch.zeros(rows, width, dtype=torch.long)
+    for r, prompt in enumerate(prompts):
+        tokens[r, :len(prompt)] = torch.tensor(prompt)
+    mask = (torch.arange(width) <= torch.arange(width).unsqueeze(1)).expand(rows, width, width)
+    layers, heads, dim = model.shape.kv_shape
+    empty = torch.zeros(layers, rows, heads, 0, dim, dtype=kv.dtype)
+    h, keys, values, features = model.hidden_concat(tokens, torch.arange(width).expand(rows, width), mask, empty,
+                                                    empty, feature_layers)
+    kv[:, 0, :, :, :width], kv[:, 1, :, :, :width] = keys, values  # past a row's prompt: overwritten or unseen
+    last = torch.stack([h[r, len(prompt) - 1] for r, prompt in enumerate(prompts)])
+    return model.output_logits(last), features
+
+
+def decode_step(model: Llama, kv: torch.Tensor, tokens: torch.Tensor, positions: list[int], feature_layers):
+    """One new token per row at its own position; returns the next-token logits and features."""
+    rows, position = len(positions), torch.tensor(positions)
+    total = max(positions) + 1
+    mask = (torch.arange(total) <= position.unsqueeze(1)).unsqueeze(1)
+    logits, features = model.forward_packed(kv, tokens[:, None], position[:, None], position,
+                                            torch.ones(rows, dtype=torch.long), mask, feature_layers)
+    return logits[:, 0], features[:, 0]
+
+
+def take_top(records: list[Record], alive: list[int], logits: torch.Tensor, soft_top: int) -> torch.Tensor:
+    """Record each live row's top tokens; returns the greedy ones."""
+    top = logits.float().log_softmax(-1).topk(soft_top, dim=-1)
+    for row, r in enumerate(alive):
+        records[r].top_ids.append(top.indices[row])
+        records[r].top_logprobs.append(top.values[row])
+        records[r].ids.append(int(top.indices[row, 0]))
+    return top.indices[:, 0]
+
+
+def still_going(records, alive, tokens, stop_ids, last_step) -> tuple[list[int], torch.Tensor]:
+    """The rows that go on (neither stopped nor at the token limit) and their batch indices."""
+    keep = [row for row, token in enumerate(tokens.tolist()) if token not in stop_ids and not last_step]
+    return [alive[row] for row in keep], torch.tensor(keep, dtype=torch.long)
+
+
+# The head and its training.
+
+def initial_head(target: Llama, feature_layers: tuple[int, ...], vocab_ids: torch.Tensor, seed: int) -> FeatureHead:
+    """The target's final norm and lm_head rows for the draft vocabulary; the layer and fc
+    at small random values (EAGLE-3 heads are trained from scratch)."""
+    s = target.shape
+    shape = FeatureHeadShape(hidden_size=s.hidden_size, intermediate_size=s.intermediate_size, num_heads=s.num_heads,
+                             num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, rms_norm_eps=s.rms_norm_eps,
+                             rope_theta=s.rope_theta, rope_scaling=s.rope_scaling,
+                             max_position_embeddings=s.max_position_embeddings, vocab_size=s.vocab_size,
+                             draft_vocab_size=len(vocab_ids), feature_layers=tuple(feature_layers),
+                             target_hidden_size=s.hidden_size)
+    torch.manual_seed(seed)
+    head = FeatureHead(shape, target.model.embed_tokens.weight)
+    with torch.no_grad():
+        for name, parameter in head.named_parameters():
+            if parameter.dim() == 2:
+                parameter.normal_(0, 0.02)
+        head.norm.load_state_dict(target.model.norm.state_dict())
+        head.lm_head.weight.copy_(target.lm_head.weight[vocab_ids])
+    head.set_vocabulary(vocab_ids)
+    return head
+
+
+def draft_vocabulary(answers: list[Answer], size: int, vocab_size: int, always: tuple[int, ...]) -> torch.Tensor:
+    """As the pruned draft's: end tokens, then the target's answer tokens by frequency."""
+    return output_vocabulary(answers, size, vocab_size, always)
+
+
+@dataclass
+class Batch:
+    """Right-padded arrays by position (see the module docstring for the indexing)."""
+
+    ids: torch.Tensor         # [B, W + 1 + steps]: the tokens by position, 0-padded
+    features: torch.Tensor    # [B, W, feature_width]: element e holds the feature of position e
+    scored: torch.Tensor      # [B, W + 1 + steps] bool: continuation positions (labels)
+    soft_ids: torch.Tensor    # [B, W + 1 + steps, soft_top]: target tokens predicting each position
+    soft_probs: torch.Tensor  # [B, W + 1 + steps, soft_top]; 0 off the continuation
+    width: int
+
+
+def batch_of(answers: list[Answer], steps: int, soft_top: int) -> Batch:
+    width = max(len(a.ids) for a in answers) - 1
+    count, span = len(answers), width + 1 + steps
+    ids = torch.zeros(count, span, dtype=torch.long)
+    features = torch.zeros(count, width, answers[0].features.shape[-1], dtype=answers[0].features.dtype)
+    scored = torch.zeros(count, span, dtype=torch.bool)
+    soft_ids = torch.zeros(count, span, soft_top, dtype=torch.long)
+    soft_probs = torch.zeros(count, span, soft_top)
+    for row, a in enumerate(answers):
+        end = len(a.ids)
+        ids[row, :end] = torch.tensor(a.ids)
+        features[row, :end - 1] = a.features
+        scored[row, a.start:end] = True
+        soft_ids[row, a.start:end] = a.top_ids[:, :soft_top]
+        soft_probs[row, a.start:end] = a.top_logprobs[:, :soft_top].float().exp()
+    return Batch(ids, features, scored, soft_ids, soft_probs, width)
+
+
+def chain_mask(width: int, step: int) -> torch.Tensor:
+    """`[width, width * step]`: step `step`'s query at element e sees the first step's keys
+    up to e (true features) and, of each later step, the key of its own chain (element e)."""
+    causal = torch.arange(width) <= torch.arange(width).unsqueeze(1)
+    return torch.cat([causal] + [torch.eye(width, dtype=torch.bool)] * (step - 1), dim=1)
+
+
+def unrolled(head: FeatureHead, batch: Batch, steps: int) -> list[torch.Tensor]:
+    """hidden_out of each drafting step `[B, W, hidden]`: step 1 on the target's features,
+    step j on step j - 1's hidden_out at the same element (the chain's previous token)."""
+    count, width = batch.ids.shape[0], batch.width
+    hidden = head.project(batch.features)
+    keys, values, outs = [], [], []
+    for step in range(1, steps + 1):
+        tokens = batch.ids[:, step:step + width]
+        positions = (torch.arange(width) + step).expand(count, width)
+        x, residual = head.layer_inputs(tokens, hidden)
+        cos, sin = rope_cos_sin(positions, head.inv_freq)
+        q, k, v = head.project_qkv(x, cos, sin)
+        keys.append(k)
+        values.append(v)
+        mask = chain_mask(width, step).expand(count, width, width * step)
+        hidden = head.finish_layer(residual, q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
+        outs.append(hidden)
+    return outs
+
+
+def step_targets(batch: Batch, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For step `step`, per element: whether it has a label, the greedy token it should
+    predict (position e + 1 + step), and the target's soft labels there."""
+    span = slice(1 + step, 1 + step + batch.width)
+    return batch.scored[:, span], batch.ids[:, span], batch.soft_ids[:, span], batch.soft_probs[:, span]
+
+
+def ttt_loss(head: FeatureHead, batch: Batch, settings: FeatureDraftSettings) -> torch.Tensor:
+    total = 0.0
+    unscored = head.shape.draft_vocab_size
+    for step, hidden in enumerate(unrolled(head, batch, settings.ttt_steps), start=1):
+        scored, labels, soft_ids, soft_probs = step_targets(batch, step)
+        log_q = head.draft_logits(hidden[scored]).log_softmax(-1)
+        rows = head.output_rows[labels[scored]]
+        hard = F.nll_loss(log_q, torch.where(rows == unscored, -100, rows), ignore_index=-100)
+        soft = soft_cross_entropy(log_q, head.output_rows[soft_ids[scored]], soft_probs[scored], unscored)
+        total = total + settings.step_decay ** (step - 1) * (hard + settings.soft_weight * soft)
+    return total
+
+
+def train_head(head: FeatureHead, answers: list[Answer], settings: FeatureDraftSettings, bf16: bool,
+               progress: bool) -> list[float]:
+    draws = torch.Generator().manual_seed(settings.seed)
+
+    def batch_loss() -> torch.Tensor:
+        picks = torch.randint(len(answers), (settings.train.batch_size,), generator=draws).tolist()
+        batch = batch_of([answers[i] for i in picks], settings.ttt_steps, settings.soft_top)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return ttt_loss(head, batch, settings)
+
+    return fit(head, settings.train, batch_loss, progress, "feature head")
+
+
+# The held-out report.
+
+@torch.no_grad()
+def acceptance(head: FeatureHead, answers: list[Answer], k: int, batch: int = 8) -> dict:
+    """Agreement per continuation token on true features, and the accepted lengths of
+    greedy rounds of K drafts, each drafted on the head's own features."""
+    head.eval()
+    flat, lengths = [], []
+    for first in range(0, len(answers), batch):
+        group = answers[first:first + batch]
+        packed = batch_of(group, k, 1)
+        guesses = [head.target_ids()[head.draft_logits(h).argmax(-1)] for h in unrolled(head, packed, k)]
+        for row, a in enumerate(group):
+            matches = [(guesses[j][row] == packed.ids[row, 2 + j:2 + j + packed.width]).tolist() for j in range(k)]
+            flat += matches[0][max(a.start, 2) - 2:len(a.ids) - 2]  # element e predicts position e + 2
+            lengths += round_lengths(matches, a, k)
+    rounds = max(1, len(lengths))
+    return {"k": k, "prompts": len(answers), "prompt_tokens": sum(a.start for a in answers) // len(answers),
+            "new_tokens": max(len(a.continuation) for a in answers), "tokens_scored": len(flat),
+            "agreement": sum(flat) / max(1, len(flat)), "rounds": len(lengths),
+            "mean_accepted": sum(lengths) / rounds,
+            "accepted_histogram": [lengths.count(a) / rounds for a in range(k + 1)]}
+
+
+def round_lengths(matches: list[list[bool]], answer: Answer, k: int) -> list[int]:
+    """Replay greedy rounds along one answer: a round whose bonus token is at position i
+    drafts from element i - 1, and draft j matches if it equals the token at i + j. A
+    round the answer does not decide (all matched, fewer than K tokens left) is left out."""
+    lengths, position, end = [], answer.start, len(answer.ids)
+    while (available := min(k, end - 1 - position)) > 0:
+        window = [matches[j][position - 1] for j in range(available)]
+        accepted = window.index(False) if False in window else available
+        if accepted == available < k:
+            break
+        lengths.append(accepted)
+        position += accepted + 1
+    return lengths
+
+
+def step_seconds(head: FeatureHead, target: Llama, context: int = 128, repeats: int = 15) -> dict:
+    """Median seconds of one decode step at batch 1 and one thread, after `context`
+    cached entries: the target's, and the head's (fc projection included)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        token, mask = torch.tensor([[1]]), torch.ones(1, 1, context + 1, dtype=torch.bool)
+        at, one = torch.tensor([[context]]), torch.ones(1, dtype=torch.long)
+        layers, heads, dim = target.shape.kv_shape
+        target_kv = torch.zeros(layers, 2, 1, heads, context + 1, dim)
+        head_kv = torch.zeros(1, 2, 1, head.shape.num_kv_heads, context + 1, head.shape.head_dim)
+        features = torch.randn(1, 1, head.shape.feature_width)
+
+        def target_step():
+            target.forward_packed(target_kv, token, at, at[0], one, mask)
+
+        def head_step():
+            with torch.inference_mode():
+                head.forward_packed(head_kv, token, head.project(features), at, at[0], one, mask)
+
+        seconds = {"target": median_seconds(target_step, repeats), "draft": median_seconds(head_step, 4 * repeats)}
+    finally:
+        torch.set_num_threads(previous)
+    return {**{key: round(value, 5) for key, value in seconds.items()},
+            "ratio": round(seconds["draft"] / seconds["target"], 4), "context": context, "threads": 1}
+
+
+def median_seconds(run, repeats: int) -> float:
+    run()  # warm up
+    times = []
+    for _ in range(repeats):
+        mark = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - mark)
+    return statistics.median(times)
+
+
+# The whole run.
+
+def make_feature_draft(target_dir: str | Path, out: str | Path,
+                       settings: FeatureDraftSettings = PRESETS["full"],
+                       feature_layers: tuple[int, ...] | None = None, progress: bool = True) -> dict:
+    """Collect the target's answers, train the head, measure it, and save the folder;
+    returns the report (also `out/draft.json`)."""
+    target_dir, out = Path(target_dir), Path(out)
+    check_output(out)
+    checkpoint = load_checkpoint(target_dir)
+    layers = tuple(feature_layers or default_feature_layers(checkpoint.shape.num_layers))
+    Features(layers, checkpoint.shape.num_layers)  # refuses layers outside the target's, before any work
+    seconds: dict[str, float] = {}
+    bf16 = fast_bfloat16()
+    with pinned_torch(settings.threads):
+        torch.manual_seed(settings.seed)
+        train, held_out = target_answers(checkpoint, settings, layers, bf16, progress, seconds)
+        vocab_ids = draft_vocabulary(train, settings.draft_vocab_size, checkpoint.shape.vocab_size,
+                                     checkpoint.eos_token_ids)
+        head = initial_head(checkpoint.model, layers, vocab_ids, settings.seed)
+        before = acceptance(head, held_out, settings.k)
+        mark = time.perf_counter()
+        say(progress, f"training the head: {settings.train.steps} steps of {settings.train.batch_size} answers, "
+                      f"{settings.ttt_steps} unrolled drafting steps each{' (bf16 autocast)' if bf16 else ''}")
+        losses = train_head(head, train, settings, bf16, progress)
+        seconds["training"] = time.perf_counter() - mark
+        mark = time.perf_counter()
+        after = acceptance(head, held_out, settings.k)
+        costs = step_seconds(head, checkpoint.model)
+        seconds["report"] = time.perf_counter() - mark
+    report = {"kind": KIND, "target": str(target_dir.resolve()), "feature_layers": list(layers),
+              "output_vocab": len(vocab_ids), "settings": dataclasses.asdict(settings),
+              "collection_dtype": "bfloat16" if bf16 else "float32", "held_out_dtype": "float32",
+              "train_tokens": sum(len(a.continuation) for a in train),
+              "output_coverage": coverage(held_out, vocab_ids),
+              "decode_weights": {"target": decode_cost(checkpoint.model), "draft": head_decode_cost(head)},
+              "step_seconds": costs,
+              "loss": {"first": losses[0], "final": sum(losses[-10:]) / len(losses[-10:])},
+              "acceptance_before_distillation": before, "acceptance": after,
+              "seconds": {key: round(value, 1) for key, value in seconds.items()}}
+    save_draft_folder(head, target_dir, out, report)
+    say(progress, f"feature head in {out}: agreement {after['agreement']:.3f}, mean accepted "
+                  f"{after['mean_accepted']:.2f} at K={settings.k}, step cost {costs['ratio']:.3f} of the target's")
+    return report
+
+
+def target_answers(checkpoint, settings: FeatureDraftSettings, layers: tuple[int, ...], bf16: bool,
+                   progress: bool, seconds: dict) -> tuple[list[Answer], list[Answer]]:
+    """Training answers in bf16 when fast (features stored in it), held-out ones in fp32."""
+    stops = checkpoint.eos_token_ids
+    collector = copy.deepcopy(checkpoint.model).to(torch.bfloat16) if bf16 else checkpoint.model
+    mark = time.perf_counter()
+    say(progress, f"target answering {settings.train_prompts} training prompts ({settings.new_tokens} tokens, "
+                  f"batches of {settings.generation_batch}, {'bf16' if bf16 else 'fp32'})")
+    train = collect_answers(collector, encoded_prompts(checkpoint.tokenizer, settings, False), settings.new_tokens,
+                            settings.generation_batch, stops, settings.soft_top, layers, progress)
+    del collector
+    seconds["target_answers"] = time.perf_counter() - mark
+    mark = time.perf_counter()
+    say(progress, f"target answering {settings.held_out_prompts} held-out prompts (fp32)")
+    held_out = collect_answers(checkpoint.model, encoded_prompts(checkpoint.tokenizer, settings, True), settings.new_tokens,
+                               settings.generation_batch, stops, 1, layers, progress)
+    seconds["held_out_answers"] = time.perf_counter() - mark
+    return train, held_out
+
+
+def encoded_prompts(tokenizer, settings: FeatureDraftSettings, held_out: bool) -> list[list[int]]:
+    count = settings.held_out_prompts if held_out else settings.train_prompts
+    return [encode_prompt(tokenizer, p) for p in prompt_set(count, settings.chat_share, held_out, settings.seed)]
+
+
+def head_decode_cost(head: FeatureHead) -> int:
+    """Weights read per drafting step: everything but the shared embedding (a lookup)."""
+    return sum(p.numel() for p in head.parameters())
+
+
+def save_draft_folder(head: FeatureHead, target_dir: Path, out: Path, report: dict) -> None:
+    staging = out.resolve().with_name(f".{out.resolve().name}.making")
+    shutil.rmtree(staging, ignore_errors=True)
+    save_feature_head(head, staging)
+    for name in COPIED_FILES:
+        if (target_dir / name).is_file():
+            shutil.copy2(target_dir / name, staging / name)
+    (staging / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+
+
+def say(progress: bool, line: str) -> None:
+    if progress:
+        print(line, flush=True)

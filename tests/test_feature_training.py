@@ -1,0 +1,131 @@
+"""Training a feature head on a target's own answers: the batched collection, the unrolled
+training-time-test steps against the head's runtime form, the round replay, and a short
+training on the tiny pair that must raise held-out agreement."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from saguaro.modelmaker.feature_draft import (PRESETS, Answer, acceptance, batch_of, chain_mask, collect_answers,
+                                              draft_vocabulary, encoded_prompts, initial_head, make_feature_draft,
+                                              round_lengths, train_head, unrolled)
+from saguaro.modelmaker.train import TrainSettings
+from saguaro.runtime.checkpoint import load_checkpoint
+from saguaro.runtime.feature_head import is_feature_head, load_feature_head
+
+TINY = dataclasses.replace(PRESETS["quick"], draft_vocab_size=200, train_prompts=24, held_out_prompts=8,
+                           new_tokens=12, generation_batch=8, threads=2,
+                           train=TrainSettings(steps=30, batch_size=8, seq_len=0, lr=3e-3, warmup_steps=3))
+LAYERS = (0, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_pair):
+    return load_checkpoint(tiny_pair / "target")
+
+
+@pytest.fixture(scope="module")
+def answers(target):
+    train = collect_answers(target.model, encoded_prompts(target.tokenizer, TINY, False), TINY.new_tokens, 8,
+                            target.eos_token_ids, TINY.soft_top, LAYERS)
+    held_out = collect_answers(target.model, encoded_prompts(target.tokenizer, TINY, True), TINY.new_tokens, 8,
+                               target.eos_token_ids, 1, LAYERS)
+    return train, held_out
+
+
+def test_batched_collection_is_greedy_decoding_one_at_a_time(target, answers):
+    prompts = encoded_prompts(target.tokenizer, TINY, True)[:5]
+    batched = collect_answers(target.model, prompts, TINY.new_tokens, 5, target.eos_token_ids, 4, LAYERS)
+    alone = [collect_answers(target.model, [p], TINY.new_tokens, 1, target.eos_token_ids, 4, LAYERS)[0]
+             for p in prompts]
+    assert [a.ids for a in batched] == [a.ids for a in alone]
+    for a, prompt in zip(batched, prompts):
+        assert a.ids[:a.start] == prompt and a.top_ids[:, 0].tolist() == a.continuation
+        # teacher-forced over the whole answer, the target's argmax is the answer itself
+        assert target.model.forward_sequence(torch.tensor(a.ids))[a.start - 1:-1].argmax(-1).tolist() == a.continuation
+        n = len(a.ids) - 1
+        empty = torch.zeros(2, 1, 2, 0, target.shape.head_dim)
+        with torch.no_grad():
+            *_, features = target.model.hidden_concat(torch.tensor([a.ids[:n]]), torch.arange(n)[None],
+                                                      torch.ones(n, n, dtype=torch.bool).tril()[None], empty, empty,
+                                                      LAYERS)
+        torch.testing.assert_close(a.features, features[0], rtol=1e-4, atol=1e-4)
+
+
+def test_chain_mask_sees_the_prefix_and_its_own_chain():
+    assert chain_mask(3, 1).int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert chain_mask(3, 2).int().tolist() == [[1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1]]
+
+
+def test_unrolled_steps_are_the_heads_runtime_drafting(target, answers):
+    """Step 1 is the head on the target's features; step 2 at element e is the head's next
+    step after e, fed its own hidden_out (what a runtime does when it drafts)."""
+    train, _ = answers
+    head = initial_head(target.model, LAYERS, torch.arange(200), seed=0)
+    with torch.no_grad():
+        for parameter in head.midlayer.parameters():
+            parameter.normal_(0, 0.2)
+    answer = train[0]
+    batch = batch_of([answer], 2, 1)
+    first, second = unrolled(head, batch, 2)
+    n, e = batch.width, batch.width // 2
+    tokens, hidden = batch.ids[:, 1:n + 1], head.project(batch.features)
+    empty = torch.zeros(1, 1, 2, 0, head.shape.head_dim)
+    with torch.no_grad():
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None]
+        _, hidden_out, _, _ = head.forward_concat(tokens, hidden, torch.arange(1, n + 1)[None], mask, empty, empty)
+        torch.testing.assert_close(first, hidden_out, rtol=1e-5, atol=1e-5)
+        # the chain from element e: true features up to e, then its own hidden_out
+        prefix_mask = torch.ones(e + 1, e + 1, dtype=torch.bool).tril()[None]
+        _, _, keys, values = head.forward_concat(tokens[:, :e + 1], hidden[:, :e + 1], torch.arange(1, e + 2)[None],
+                                                 prefix_mask, empty, empty)
+        _, chained, _, _ = head.forward_concat(batch.ids[:, e + 2:e + 3], hidden_out[:, e:e + 1],
+                                               torch.tensor([[e + 2]]), torch.ones(1, 1, e + 2, dtype=torch.bool),
+                                               keys, values)
+    torch.testing.assert_close(second[:, e], chained[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_round_replay():
+    answer = Answer(list(range(10)), 3, torch.zeros(9, 1), torch.zeros(7, 1), torch.zeros(7, 1))
+    hits = [[True] * 10 for _ in range(3)]
+    hits[1][2] = False  # the round whose bonus token is at position 3 accepts 1 of k=3
+    # rounds: at 3 (accepts 1, next at 5), at 5 (accepts 3, next at 9), at 9: nothing left
+    assert round_lengths(hits, answer, 3) == [1, 3]
+
+
+def test_short_training_raises_held_out_agreement(target, answers):
+    train, held_out = answers
+    vocab = draft_vocabulary(train, TINY.draft_vocab_size, target.shape.vocab_size, target.eos_token_ids)
+    head = initial_head(target.model, LAYERS, vocab, seed=0)
+    before = acceptance(head, held_out, 4)
+    train_head(head, train, TINY, bf16=False, progress=False)
+    after = acceptance(head, held_out, 4)
+    assert after["agreement"] > before["agreement"] + 0.2 and after["mean_accepted"] > before["mean_accepted"]
+    assert after["tokens_scored"] == sum(len(a.continuation) for a in held_out)
+
+
+def test_draft_folder_is_a_release_format_head(tiny_pair, target, tmp_path):
+    settings = dataclasses.replace(TINY, train_prompts=8, held_out_prompts=4, new_tokens=6,
+                                   train=dataclasses.replace(TINY.train, steps=2))
+    out = tmp_path / "head"
+    report = make_feature_draft(tiny_pair / "target", out, settings, progress=False)
+    assert is_feature_head(out) and (out / "tokenizer.json").is_file()
+    assert json.loads((out / "draft.json").read_text()) == json.loads(json.dumps(report))
+    assert report["kind"] == "feature" and report["target"] == str((tiny_pair / "target").resolve())
+    assert report["feature_layers"] == [0, 1, 2] and set(report["step_seconds"]) >= {"target", "draft", "ratio"}
+    head = load_feature_head(out, target.shape, target.model.model.embed_tokens.weight)
+    assert head.shape.draft_vocab_size == report["output_vocab"] == 200
+
+
+def test_make_models_kind_and_feature_layers(tmp_path):
+    from saguaro.modelmaker.cli import draft_settings, parse_args
+
+    common = ["--draft-for", str(tmp_path / "target"), "--out", str(tmp_path / "out")]
+    assert parse_args(common).kind == "pruned"  # the default until the runtime drafts with heads
+    args = parse_args(common + ["--kind", "feature", "--feature-layers", "2,15,27", "--output-vocab", "1000"])
+    assert args.feature_layers == (2, 15, 27) and draft_settings(args).draft_vocab_size == 1000
+    for wrong in (["--feature-layers", "1,2"], ["--kind", "feature", "--layers", "4"],
+                  ["--kind", "feature", "--feature-layers", "2,x"]):
+        with pytest.raises(SystemExit):
+            parse_args(common + wrong)
