@@ -448,14 +448,14 @@ def target_answers(checkpoint, settings: FeatureDraftSettings, layers: tuple[int
     mark = time.perf_counter()
     say(progress, f"target answering {settings.train_prompts} training prompts ({settings.new_tokens} tokens, "
                   f"batches of {settings.generation_batch}, {'bf16' if bf16 else 'fp32'})")
-    train = collect_answers(collector, encoded_prompts(checkpoint.tokenizer, settings, False), settings.new_tokens,
-                            settings.generation_batch, stops, settings.soft_top, layers, progress)
+    train = collect_answers(collector, encoded_prompts(checkpoint.tokenizer, settings, False),
+                            settings.new_tokens, settings.generation_batch, stops, settings.soft_top, layers, progress)
     del collector
     seconds["target_answers"] = time.perf_counter() - mark
     mark = time.perf_counter()
     say(progress, f"target answering {settings.held_out_prompts} held-out prompts (fp32)")
-    held_out = collect_answers(checkpoint.model, encoded_prompts(checkpoint.tokenizer, settings, True), settings.new_tokens,
-                               settings.generation_batch, stops, 1, layers, progress)
+    held_out = collect_answers(checkpoint.model, encoded_prompts(checkpoint.tokenizer, settings, True),
+                               settings.new_tokens, settings.generation_batch, stops, 1, layers, progress)
     seconds["held_out_answers"] = time.perf_counter() - mark
     return train, held_out
 
