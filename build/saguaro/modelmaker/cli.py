@@ -42,7 +42,8 @@ def layer_list(text: str) -> tuple[int, ...]:
     try:
         layers = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"feature layers are whole numbers separated by commas, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"feature layers are whole numbers separated by commas, "
+                                         f"got {text!r}") from None
     if any(layer < 0 for layer in layers):
         raise argparse.ArgumentTypeError(f"feature layers are 0 or more, got {text!r}")
     return layers
@@ -127,7 +128,8 @@ def existing_draft(out_dir: Path, settings, kind: str = "pruned", feature_layers
         report = json.loads((out_dir / draft_for.REPORT_FILE).read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    if report.get("kind", "pruned") != kind or (feature_layers and report.get("feature_layers") != list(feature_layers)):
+    layers_differ = feature_layers and report.get("feature_layers") != list(feature_layers)
+    if report.get("kind", "pruned") != kind or layers_differ:
         return None
     return report if report.get("settings") == json.loads(json.dumps(dataclasses.asdict(settings))) else None
 

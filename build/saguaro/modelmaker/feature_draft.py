@@ -53,12 +53,12 @@ KIND = "feature"
 @dataclass(frozen=True)
 class FeatureDraftSettings:
     draft_vocab_size: int = 8192
-    train_prompts: int = 1024
+    train_prompts: int = 768
     held_out_prompts: int = 32
     new_tokens: int = 128
     chat_share: float = 0.6      # the rest are documentation-text prompts
     generation_batch: int = 32
-    train: TrainSettings = TrainSettings(steps=700, batch_size=8, seq_len=0, lr=1e-3, warmup_steps=30)
+    train: TrainSettings = TrainSettings(steps=300, batch_size=4, seq_len=0, lr=1e-3, warmup_steps=20)
     ttt_steps: int = 3           # drafting steps unrolled per training step
     step_decay: float = 0.8      # weight of step j's loss: step_decay ** (j - 1)
     soft_top: int = 16           # target tokens per position whose probabilities the head learns
@@ -69,8 +69,10 @@ class FeatureDraftSettings:
 
 
 PRESETS = {
-    # The target answering 1024 prompts x 128 tokens in bf16 batches of 32, then 700 steps
-    # on them: under 30 minutes on 2 free cores (see docs/drafts.md for the measured run).
+    # The target answering 768 prompts x 128 tokens in bf16 batches of 32 (about 12 minutes
+    # at 140 tokens/s), then 300 steps of 4 answers x 3 unrolled steps (about 3 s a step on
+    # 2 free cores, 16 s for 8 answers on cores shared with a test suite): an estimate
+    # for 30 minutes, not yet a measured run (docs/drafts.md).
     "full": FeatureDraftSettings(),
     # The quickstart's: under 3 minutes on 2 cores shared with other work; a weak head.
     "quick": FeatureDraftSettings(draft_vocab_size=4096, train_prompts=64, held_out_prompts=16, new_tokens=32,
@@ -446,14 +448,14 @@ def target_answers(checkpoint, settings: FeatureDraftSettings, layers: tuple[int
     mark = time.perf_counter()
     say(progress, f"target answering {settings.train_prompts} training prompts ({settings.new_tokens} tokens, "
                   f"batches of {settings.generation_batch}, {'bf16' if bf16 else 'fp32'})")
-    train = collect_answers(collector, encoded_prompts(checkpoint.tokenizer, settings, False), settings.new_tokens,
-                            settings.generation_batch, stops, settings.soft_top, layers, progress)
+    train = collect_answers(collector, encoded_prompts(checkpoint.tokenizer, settings, False),
+                            settings.new_tokens, settings.generation_batch, stops, settings.soft_top, layers, progress)
     del collector
     seconds["target_answers"] = time.perf_counter() - mark
     mark = time.perf_counter()
     say(progress, f"target answering {settings.held_out_prompts} held-out prompts (fp32)")
-    held_out = collect_answers(checkpoint.model, encoded_prompts(checkpoint.tokenizer, settings, True), settings.new_tokens,
-                               settings.generation_batch, stops, 1, layers, progress)
+    held_out = collect_answers(checkpoint.model, encoded_prompts(checkpoint.tokenizer, settings, True),
+                               settings.new_tokens, settings.generation_batch, stops, 1, layers, progress)
     seconds["held_out_answers"] = time.perf_counter() - mark
     return train, held_out
 
