@@ -129,7 +129,7 @@ def test_rounds_after_a_hit_count_as_prespeculated_and_split_the_acceptance(tiny
     options = DecodeOptions(mode="ssd", num_draft_tokens=3, fanout=(3,), max_tokens=40, eos_token_id=-1)
     stats = pipeline.generate(pipeline.encode(PROMPTS[0]), options, GREEDY).stats
     assert stats.cache_hits > 0
-    assert stats.cache_hits - 1 <= stats.prespeculated_rounds <= stats.cache_hits
-    fresh_drafted = stats.drafted_tokens - stats.prespeculated_drafted
-    total = stats.prespeculated_acceptance * stats.prespeculated_drafted + stats.fresh_acceptance * fresh_drafted
+    assert stats.cache_hits - 1 <= stats.hit_rounds <= stats.cache_hits
+    fresh_drafted = stats.drafted_tokens - stats.hit_drafted
+    total = stats.prespeculated_acceptance * stats.hit_drafted + stats.fresh_acceptance * fresh_drafted
     assert total == pytest.approx(stats.accepted_tokens)

@@ -95,7 +95,7 @@ def write_json(path: Path | None, figures: dict) -> None:
 def run_mode(pipeline, prompts, options, sampling) -> dict:
     """`prompts`: token ids of each prompt; totals over them."""
     keys = ("tokens", "total_s", "prefill_s", "verify_s", "draft_s", "wait_s", "rounds", "cache_hits", "cache_misses",
-            "drafted_tokens", "prespeculated_drafted", "prespeculated_accepted")
+            "drafted_tokens", "hit_drafted", "hit_accepted")
     totals = dict.fromkeys(keys, 0) | {"accepted": 0.0}
     for prompt in prompts:
         stats = pipeline.generate(prompt, options, sampling).stats
@@ -127,10 +127,10 @@ def mode_row(name: str, t: dict, baseline: float, prompts: int) -> str:
     looked_up = t["cache_hits"] + t["cache_misses"]
     hit = f"{100 * t['cache_hits'] / looked_up:5.0f}" if looked_up else "    -"
     speed = t["decode_tokens_per_s"]
-    fresh = t["drafted_tokens"] - t["prespeculated_drafted"]
-    split = (f"{t['prespeculated_accepted'] / t['prespeculated_drafted']:.2f}/"
-             f"{(t['accepted'] - t['prespeculated_accepted']) / fresh:.2f}"
-             if t["prespeculated_drafted"] and fresh else "-")
+    fresh = t["drafted_tokens"] - t["hit_drafted"]
+    split = (f"{t['hit_accepted'] / t['hit_drafted']:.2f}/"
+             f"{(t['accepted'] - t['hit_accepted']) / fresh:.2f}"
+             if t["hit_drafted"] and fresh else "-")
     return (f"{name:24s} {speed:7.1f} {speed / baseline:6.2f} {1000 * t['prefill_s'] / prompts:10.1f} "
             f"{t['accepted'] / t['rounds']:7.2f} {hit} {split:>9s} {t['verify_s']:8.2f} {t['draft_s']:8.2f} "
             f"{t['wait_s']:7.2f}")

@@ -72,7 +72,7 @@ def print_human(result: dict, prompt: str, chat: bool, sampled: bool) -> None:
         print(f"speculation cache: {stats['cache_hits']} hits, {stats['cache_misses']} misses "
               f"(hit rate {stats['cache_hit_rate']:.2f}, {stats['branches_drafted']} branches drafted); "
               f"acceptance per token of pre-speculated drafts {stats['prespeculated_acceptance']:.2f} "
-              f"({stats['prespeculated_rounds']} rounds), of fresh ones {stats['fresh_acceptance']:.2f}")
+              f"({stats['hit_rounds']} rounds), of fresh ones {stats['fresh_acceptance']:.2f}")
     print(f"time: verify {stats['verify_s']:.3f} s, draft on critical path {stats['draft_s']:.3f} s, "
           f"pre-speculation {stats['prespeculate_s']:.3f} s (target waited {stats['wait_s']:.3f} s)")
 

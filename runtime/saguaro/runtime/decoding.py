@@ -104,7 +104,7 @@ class Sequence:
                                          draft_cache_capacity(target.info.max_context, branches, self.k))
         self.empty = empty_draft(draft.info.vocab_size, request.sampling)
         self.proposal = None if self.k else self.empty
-        self.prespeculated = False  # the proposal is a hit's pre-speculated branch
+        self.after_hit = False  # the proposal is a hit's pre-speculated branch
         self.greedy, self.acceptance = request.sampling.greedy, Acceptance()
         self.plan = Plan(self.k)  # the load policy's, each round
         self.verified = 0               # drafts the last round verified
@@ -159,17 +159,17 @@ class Sequence:
         (returns whether the lookup hit; None without one)."""
         drafted = self.round_proposal.tokens
         self.verifier.keep(self.out.ids, outcome)
-        self.stats.record_round(outcome.accepted, len(drafted), self.prespeculated)
+        self.stats.record_round(outcome.accepted, len(drafted), after_hit=self.after_hit)
         self.observe_features(len(self.out.ids) - 1, outcome.hidden)
         self.out.commit(drafted[:outcome.accepted].tolist() + [outcome.bonus], outcome.logprobs)
         self.proposal = None if self.k and self.plan.draft_tokens else self.empty
-        self.prespeculated = False
+        self.after_hit = False
         if self.done or speculation is None:
             return None
         self.proposal = take_speculation(self.speculator, self.policy, self.stats, self.out.ids, drafted,
                                          speculation, outcome, verify_s)
-        self.prespeculated = self.proposal is not None
-        return self.prespeculated
+        self.after_hit = self.proposal is not None
+        return self.after_hit
 
     def observe_features(self, first_position: int, hidden) -> None:
         """The target's hidden states of committed positions, for a feature draft."""

@@ -18,9 +18,9 @@ class GenerationStats:
     cache_misses: int = 0
     branches_drafted: int = 0
     # of the rounds that verified a pre-speculated draft (the branch of a hit)
-    prespeculated_rounds: int = 0
-    prespeculated_drafted: int = 0
-    prespeculated_accepted: int = 0
+    hit_rounds: int = 0
+    hit_drafted: int = 0
+    hit_accepted: int = 0
     prefill_s: float = 0.0
     verify_s: float = 0.0
     draft_s: float = 0.0        # drafting on the critical path (first draft, misses, plain SD)
@@ -32,14 +32,14 @@ class GenerationStats:
         if not self.accepted_histogram:
             self.accepted_histogram = [0] * (self.num_draft_tokens + 1)
 
-    def record_round(self, accepted: int, drafted: int = 0, prespeculated: bool = False) -> None:
+    def record_round(self, accepted: int, drafted: int = 0, after_hit: bool = False) -> None:
         self.rounds += 1
         self.drafted_tokens += drafted
         self.accepted_histogram[accepted] += 1
-        if prespeculated:
-            self.prespeculated_rounds += 1
-            self.prespeculated_drafted += drafted
-            self.prespeculated_accepted += accepted
+        if after_hit:
+            self.hit_rounds += 1
+            self.hit_drafted += drafted
+            self.hit_accepted += accepted
 
     @property
     def accepted_tokens(self) -> int:
@@ -58,13 +58,13 @@ class GenerationStats:
     def prespeculated_acceptance(self) -> float:
         """Accepted per drafted token of pre-speculated drafts (a feature draft drafts
         them on its own predicted features; fresh drafts start from the target's)."""
-        return self.prespeculated_accepted / max(self.prespeculated_drafted, 1)
+        return self.hit_accepted / max(self.hit_drafted, 1)
 
     @property
     def fresh_acceptance(self) -> float:
         """Accepted per drafted token of drafts made after the round's outcome was known."""
-        fresh_drafted = self.drafted_tokens - self.prespeculated_drafted
-        return (self.accepted_tokens - self.prespeculated_accepted) / max(fresh_drafted, 1)
+        fresh_drafted = self.drafted_tokens - self.hit_drafted
+        return (self.accepted_tokens - self.hit_accepted) / max(fresh_drafted, 1)
 
     @property
     def cache_hit_rate(self) -> float:
