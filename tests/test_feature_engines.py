@@ -4,8 +4,9 @@ A pair built with a feature head for its draft: the target's model graph also re
 head's feature layers (`hidden_states`), which must be the torch target's `Features`; the
 head's graph must compute `FeatureHead.forward_packed` (logits over the target vocabulary,
 `UNSCORED` outside the head's, and its own `hidden_out`), its `project` graph the head's
-fc. Greedy SD and SSD over the pair give the target's own tokens, and draft what the
-torch pair drafts (the features flow the same way). int8 and int4 builds load and decode.
+fc. Greedy SD and SSD over the pair give the target's own tokens, and the draft is fed what
+the torch pair's is fed (the features flow the same way). int8 and int4 builds load and
+decode.
 Tolerance as in test_export_ort.py.
 """
 import dataclasses
@@ -147,19 +148,51 @@ def test_the_head_graph_computes_the_heads_forward(engines, references):
 
 
 @pytest.mark.parametrize("k", [1, K])
-def test_greedy_sd_and_ssd_over_the_feature_pair_equal_the_target_and_draft_as_torch(engines, references, k):
-    """The output is the ORT target's own; each request accepts what the torch feature pair
-    accepts, so the ORT draft read the same features and drafted the same tokens."""
-    ort_pipeline, torch_pipeline = Pipeline(*engines), Pipeline(*references)
+def test_greedy_sd_and_ssd_over_the_feature_pair_equal_the_target_alone(engines, k):
+    pipeline = Pipeline(*engines)
     reference = DecodeOptions(mode="autoregressive", max_tokens=16)
-    prompts = [ort_pipeline.encode(prompt) for prompt in PROMPTS]
-    expected = [ort_pipeline.generate(ids, reference, GREEDY).output_ids for ids in prompts]
+    prompts = [pipeline.encode(prompt) for prompt in PROMPTS]
+    expected = [pipeline.generate(ids, reference, GREEDY).output_ids for ids in prompts]
     for options in (DecodeOptions(mode="speculative", num_draft_tokens=k, max_tokens=16),
                     DecodeOptions(mode="ssd", num_draft_tokens=k, fanout=(3,), max_tokens=16)):
-        got = ort_pipeline.generate_batch([ort_pipeline.request(ids, options, GREEDY) for ids in prompts])
+        got = pipeline.generate_batch([pipeline.request(ids, options, GREEDY) for ids in prompts])
         assert [g.output_ids for g in got] == expected, options
-        want = [torch_pipeline.generate(ids, options, GREEDY) for ids in prompts]
-        assert [g.stats.accepted_histogram for g in got] == [w.stats.accepted_histogram for w in want], options
+        assert sum(g.stats.cache_misses for g in got) > 0 or options.mode == "speculative"
+
+
+class Recorder:
+    """A draft engine that keeps what each of its steps was fed: tokens, positions, features."""
+
+    def __init__(self, engine):
+        self.engine, self.fed = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def forward_rows(self, steps):
+        self.fed += [(step.tokens.tolist(), step.positions.tolist(), step.hidden.clone()) for step in steps]
+        return self.engine.forward_rows(steps)
+
+
+@pytest.mark.parametrize("mode", ["speculative", "ssd"])
+def test_the_ort_draft_is_fed_what_the_torch_draft_is_fed(engines, references, mode):
+    """Step by step, the same tokens at the same positions with the same features: the
+    target's (projected) for committed tokens, the head's own for drafts and branches, so
+    the ORT pair drafts what the torch pair drafts (greedy output alone would not show it:
+    it is the target's whatever the draft reads)."""
+    options = DecodeOptions(mode=mode, num_draft_tokens=K, fanout=(3,), max_tokens=12)
+    fed = []
+    for target, draft in (engines, references):
+        recorder = Recorder(draft)
+        pipeline = Pipeline(target, recorder)
+        for prompt in PROMPTS[:2]:
+            pipeline.generate(pipeline.encode(prompt), options, GREEDY)
+        fed.append(recorder.fed)
+    got, want = fed
+    assert [(tokens, positions) for tokens, positions, _ in got] == [(t, p) for t, p, _ in want]
+    for (_, _, got_features), (_, _, want_features) in zip(got, want):
+        assert_close(got_features, want_features)
+    assert len(got) > 10
 
 
 def graph_ops(path) -> set[str]:
