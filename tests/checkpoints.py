@@ -1,4 +1,5 @@
-"""Small random Llama checkpoints for tests that need exact control of the model.
+"""Small random Llama checkpoints for tests that need exact control of the model, and
+random feature heads (EAGLE-3) for a target checkpoint.
 
 A word-level tokenizer lets the vocabulary be as small as a test wants (a model "small
 enough to enumerate"), which a byte-level BPE cannot be.
@@ -14,6 +15,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from saguaro.runtime.engines.torch_engine import TorchEngine
+from saguaro.runtime.feature_head import FeatureHead, FeatureHeadShape, default_feature_layers, save_feature_head
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 # Few merges over text with accents, CJK and emoji: such characters span several tokens,
@@ -57,11 +61,12 @@ def byte_level_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
                                    unk_token="<unk>", pad_token="<pad>")
 
 
-def build_engines_cli(pair: Path, out: Path, *flags: str) -> Path:
-    """Build an engine folder from a pair with `scripts/build_engines.py`, as users do."""
+def build_engines_cli(pair: Path, out: Path, *flags: str, draft: Path | None = None) -> Path:
+    """Build an engine folder from a pair (or its target and `draft`, e.g. a feature head)
+    with `scripts/build_engines.py`, as users do."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "build_engines.py"
     build = subprocess.run([sys.executable, str(script), "--target", str(pair / "target"),
-                            "--draft", str(pair / "draft"), "--out", str(out), "--quiet", *flags],
+                            "--draft", str(draft or pair / "draft"), "--out", str(out), "--quiet", *flags],
                            capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-2000:]
     return out
@@ -125,3 +130,25 @@ def make_architecture_checkpoint(folder: Path, model_type: str, vocab_size: int 
     model.save_pretrained(folder)
     word_tokenizer(vocab_size).save_pretrained(folder)
     return Path(folder)
+
+
+def random_head(target_dir: Path, out: Path, seed: int = 0) -> Path:
+    """A random-initialised head in the release format, for the target in `target_dir`,
+    over a random half of its vocabulary."""
+    target = TorchEngine(target_dir)
+    shape = target.model.shape
+    head_shape = FeatureHeadShape(
+        hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size, num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, rms_norm_eps=shape.rms_norm_eps,
+        rope_theta=shape.rope_theta, rope_scaling=shape.rope_scaling,
+        max_position_embeddings=shape.max_position_embeddings, vocab_size=shape.vocab_size,
+        draft_vocab_size=shape.vocab_size // 2, feature_layers=default_feature_layers(shape.num_layers),
+        target_hidden_size=shape.hidden_size)
+    generator = torch.Generator().manual_seed(seed)
+    head = FeatureHead(head_shape, target.model.model.embed_tokens.weight)
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    head.set_vocabulary(torch.randperm(shape.vocab_size, generator=generator)[:head_shape.draft_vocab_size])
+    save_feature_head(head, out)
+    return out

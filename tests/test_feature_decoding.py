@@ -8,37 +8,16 @@ import torch
 
 from saguaro.runtime.contracts import Rows
 from saguaro.runtime.engines.torch_engine import TorchEngine, TorchFeatureDraft
-from saguaro.runtime.feature_head import FeatureHead, FeatureHeadShape, default_feature_layers, save_feature_head
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.runtime.sampling import SamplingParams
+
+from checkpoints import random_head
 
 PROMPTS = ["The with statement", "A class definition defines", "Exceptions are raised", "x",
            "In a for loop,", "The import system"]
 MAX_TOKENS = 20
 GREEDY = SamplingParams()
-
-
-def random_head(target_dir: Path, out: Path, seed: int = 0) -> Path:
-    """A random-initialised head in the release format, for the target in `target_dir`,
-    over a random half of its vocabulary."""
-    target = TorchEngine(target_dir)
-    shape = target.model.shape
-    head_shape = FeatureHeadShape(
-        hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size, num_heads=shape.num_heads,
-        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, rms_norm_eps=shape.rms_norm_eps,
-        rope_theta=shape.rope_theta, rope_scaling=shape.rope_scaling,
-        max_position_embeddings=shape.max_position_embeddings, vocab_size=shape.vocab_size,
-        draft_vocab_size=shape.vocab_size // 2, feature_layers=default_feature_layers(shape.num_layers),
-        target_hidden_size=shape.hidden_size)
-    generator = torch.Generator().manual_seed(seed)
-    head = FeatureHead(head_shape, target.model.model.embed_tokens.weight)
-    with torch.no_grad():
-        for parameter in head.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
-    head.set_vocabulary(torch.randperm(shape.vocab_size, generator=generator)[:head_shape.draft_vocab_size])
-    save_feature_head(head, out)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Build an engine directory from a validated `BuildConfig`: the whole pipeline, top-down.
 
     check everything that can fail (checkpoints, pair, limits, backend, output folder)
-    -> export both models -> quantise -> assemble the plugin graphs -> backend build
+    -> export both models (with a feature head for a draft, the target returns features)
+    -> quantise -> assemble the plugin graphs -> backend build
     -> tokenizer files -> manifest.json (last: its presence means the build completed)
     -> ONNX Runtime: the branch calibration, timed on the built engines, added to the manifest
 
@@ -29,9 +30,11 @@ from saguaro.compiler.tensorrt_builder import EXPORT_DTYPES, TensorRTBuildOption
 from saguaro.plugins.tensorrt_registry import import_tensorrt
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.calibration import measure_calibration
-from saguaro.runtime.engines.manifest import MANIFEST_FILE, sha256_file, write_manifest
+from saguaro.runtime.engines.manifest import FEATURE_HEAD, MANIFEST_FILE, sha256_file, write_manifest
+from saguaro.runtime.feature_head import head_shape, is_feature_head, load_feature_head
 from saguaro.runtime.checkpoint import (CheckpointError, check_pair_compatible, end_of_generation_ids, llama_shape,
-                                        load_checkpoint, load_tokenizer, read_config, tokenizer_fingerprint)
+                                        load_checkpoint, load_tokenizer, read_config, read_state_dict,
+                                        tokenizer_fingerprint)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
@@ -51,8 +54,10 @@ def role_backend(config: BuildConfig, role: str) -> str | None:
     return config.draft_backend if role == "draft" else config.backend
 
 
-def graphs_built(config: BuildConfig, role: str) -> tuple[str, ...]:
+def graphs_built(config: BuildConfig, role: str, feature_head: bool = False) -> tuple[str, ...]:
     backend = role_backend(config, role)
+    if feature_head:
+        return onnxruntime_builder.FEATURE_DRAFT_GRAPHS
     return () if backend is None else GRAPHS[backend][role]
 
 
@@ -63,9 +68,20 @@ class Source:
     role: str
     path: Path
     config: dict
-    shape: object  # runtime.llama.LlamaShape
+    shape: object  # runtime.llama.LlamaShape; a feature head's runtime.feature_head.FeatureHeadShape
     tokenizer: object
     fingerprint: str
+    feature_layers: tuple[int, ...] = ()  # a target's: the layers its feature draft reads
+    target: "Source | None" = None  # a feature head's: the target whose embeddings and tokenizer it shares
+
+    @property
+    def is_feature_head(self) -> bool:
+        return self.target is not None
+
+    @property
+    def model_source(self) -> "Source":
+        """Where the tokenizer and the bos / eos ids come from: a head's target, else itself."""
+        return self.target or self
 
 
 @dataclass
@@ -85,7 +101,33 @@ def inspect_checkpoint(role: str, path: Path) -> Source:
     return Source(role, path, config, shape, tokenizer, tokenizer_fingerprint(tokenizer))
 
 
+def inspect_feature_head(path: Path, target: Source) -> Source:
+    """A feature head (EAGLE-3) for `target`: its shape, checked to fit the target."""
+    config = read_config(path)
+    try:
+        shape = head_shape(config, target.shape, f"draft feature head {str(path)!r}")
+    except ValueError as error:
+        raise CheckpointError(str(error)) from error
+    if not list(path.glob("*.safetensors")):
+        raise CheckpointError(f"draft feature head {str(path)!r} has no *.safetensors weights")
+    return Source("draft", path, config, shape, target.tokenizer, target.fingerprint, target=target)
+
+
+def inspect_sources(config: BuildConfig) -> list[Source]:
+    """The target and the draft; with a feature head for the draft, a target that returns
+    the head's feature layers."""
+    target = inspect_checkpoint("target", config.target)
+    if not is_feature_head(config.draft):
+        return [target, inspect_checkpoint("draft", config.draft)]
+    draft = inspect_feature_head(config.draft, target)
+    target = dataclasses.replace(target, feature_layers=draft.shape.feature_layers)
+    return [target, dataclasses.replace(draft, target=target)]
+
+
 def check_sources(config: BuildConfig, target: Source, draft: Source) -> None:
+    if draft.is_feature_head and config.backend != "onnxruntime":
+        raise ConfigError(f"the draft {str(draft.path)!r} is a feature head, which is built for backend "
+                          f"onnxruntime only (its target must return features); got backend {config.backend}")
     check_pair_compatible(target.shape.vocab_size, draft.shape.vocab_size, target.fingerprint, draft.fingerprint)
     for source in (target, draft):
         if config.max_context > source.shape.max_position_embeddings:
@@ -136,8 +178,11 @@ def export_model(config: BuildConfig, source: Source, folder: Path, work: Path) 
     backend = role_backend(config, source.role)
     if backend is None:
         return {}
+    if source.is_feature_head:
+        return onnxruntime_builder.export_feature_draft(config, load_head(source), folder)
     if backend == "onnxruntime":
-        return onnxruntime_builder.export_role(config, source.role, source.shape, source.path, folder)
+        return onnxruntime_builder.export_role(config, source.role, source.shape, source.path, folder,
+                                               source.feature_layers)
     # strongly typed engines compute in the types of the graph: export in the precision
     model = load_checkpoint(source.path).model.to(getattr(torch, EXPORT_DTYPES[config.precision]))
     forward = export.export_forward(model, work / f"{source.role}_forward.onnx", config.opset)
@@ -149,6 +194,12 @@ def export_model(config: BuildConfig, source: Source, folder: Path, work: Path) 
         paths["branch_draft"] = folder / "branch_draft.onnx"
         onnx.save_model(export.branch_draft_model(config.opset, config.max_branches), str(paths["branch_draft"]))
     return paths
+
+
+def load_head(source: Source):
+    """A feature head's weights, sharing its target's embedding table."""
+    embed_tokens = read_state_dict(source.target.path)["model.embed_tokens.weight"]
+    return load_feature_head(source.path, source.target.shape, embed_tokens)
 
 
 def build_backend(config: BuildConfig, path: Path, shape) -> Path:
@@ -211,12 +262,20 @@ def versions(config: BuildConfig) -> dict[str, str]:
 
 
 def model_entry(source: Source, graphs: dict[str, dict[str, str]], root: Path) -> dict:
-    eos = end_of_generation_ids(source.path, source.config, source.tokenizer)
-    return {"checkpoint": str(source.path.resolve()), "config": source.config,
-            "shape": dataclasses.asdict(source.shape), "tokenizer_fingerprint": source.fingerprint,
-            "bos_token_id": source.config.get("bos_token_id"), "eos_token_id": eos[0] if eos else None, "eos_token_ids": list(eos),
-            "graphs": graphs,
-            "signatures": {stem: graph_signature(root / files["onnx"]) for stem, files in graphs.items()}}
+    """A role's manifest entry; a feature head's says so (`kind`, its shape with its feature
+    layers) and takes its target's bos / eos, and that target's lists the layers it returns."""
+    model = source.model_source
+    eos = end_of_generation_ids(model.path, model.config, model.tokenizer)
+    entry = {"checkpoint": str(source.path.resolve()), "config": source.config,
+             "shape": dataclasses.asdict(source.shape), "tokenizer_fingerprint": source.fingerprint,
+             "bos_token_id": model.config.get("bos_token_id"), "eos_token_id": eos[0] if eos else None,
+             "eos_token_ids": list(eos), "graphs": graphs,
+             "signatures": {stem: graph_signature(root / files["onnx"]) for stem, files in graphs.items()}}
+    if source.is_feature_head:
+        entry["kind"] = FEATURE_HEAD
+    if source.feature_layers:
+        entry["feature_layers"] = list(source.feature_layers)
+    return entry
 
 
 def manifest_content(config: BuildConfig, sources: list[Source], record: BuildRecord, root: Path) -> dict:
@@ -260,14 +319,14 @@ def build_engines(config: BuildConfig, out: Path, show_progress: bool = True) ->
     """Validate everything, then build `out`. Raises ConfigError / CheckpointError up front."""
     out = Path(out)
     check_output(out)
-    sources = [inspect_checkpoint("target", config.target), inspect_checkpoint("draft", config.draft)]
+    sources = inspect_sources(config)
     check_sources(config, *sources)
     check_backend(config)
     staging = out.resolve().with_name(f".{out.resolve().name}.building")
     shutil.rmtree(staging, ignore_errors=True)
     (staging / "work").mkdir(parents=True)
     record = BuildRecord()
-    steps = sum(1 + len(graphs_built(config, s.role)) for s in sources) + 2
+    steps = sum(1 + len(graphs_built(config, s.role, s.is_feature_head)) for s in sources) + 2
     try:
         with tqdm(total=steps, desc="build", disable=not show_progress, file=sys.stderr) as bar:
             for source in sources:

@@ -33,7 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-batch", type=int)
     parser.add_argument("--threads", type=int, help="intra-op threads per engine")
     parser.add_argument("--target", type=Path, help="target checkpoint folder")
-    parser.add_argument("--draft", type=Path, help="draft checkpoint folder")
+    parser.add_argument("--draft", type=Path, help="draft checkpoint folder, or a feature head's (EAGLE-3)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 

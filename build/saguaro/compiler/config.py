@@ -82,7 +82,7 @@ def _is_core_list(value) -> bool:
 TOP_LEVEL_TYPES = {
     "name": (_is_name, "a name of letters, digits, '-' or '_'"),
     "target": (lambda v: isinstance(v, (str, Path)), "a checkpoint folder path"),
-    "draft": (lambda v: isinstance(v, (str, Path)), "a checkpoint folder path"),
+    "draft": (lambda v: isinstance(v, (str, Path)), "a checkpoint or feature head (EAGLE-3) folder path"),
     "backend": (lambda v: isinstance(v, str), "a string"),
     "precision": (lambda v: isinstance(v, str), "a string"),
     "max_draft_tokens": (_is_int, "an integer"),

@@ -34,7 +34,9 @@ I/O (B batch, S new tokens per row, C cache capacity, T = total_sequence_length)
   input_ids, position_ids [B, S] int64; seqlens_k [B] int32; total_sequence_length []
   int32; query_seqlens [B] int32; attention_mask [B, S, T] bool;
   past_key.{i}, past_value.{i} [B, kv_heads, C, head_dim] float32
-  -> logits [B, S, vocab] float32; present_key.{i}, present_value.{i} (same memory as past).
+  -> logits [B, S, vocab] float32; present_key.{i}, present_value.{i} (same memory as past);
+  for a target with a feature draft, `hidden_states` [B, S, len(feature_layers) * hidden]
+  float32: the hidden states entering each feature layer (`llama.Features`), joined.
 
 Precisions: fp32 (MatMul), int8 and int4 (ONNX Runtime's blockwise MatMulNBits, block 32,
 accuracy level 4: int8 activations per block, the only setting that stays fast for S > 1).
@@ -52,13 +54,14 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from saguaro.runtime.llama import UNSCORED, LlamaShape, rope_inverse_frequencies
+from saguaro.runtime.llama import UNSCORED, Features, LlamaShape, rope_inverse_frequencies
 
 MS_DOMAIN = "com.microsoft"
 OPSET = 23  # RMSNormalization
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4  # int8 activations per block (VNNI); levels 0-1 are 2-3x slower for S > 1
+FEATURES_OUTPUT = "hidden_states"  # a target's, for a feature draft
 MODEL_INPUTS = ("input_ids", "position_ids", "seqlens_k", "total_sequence_length", "query_seqlens",
                 "attention_mask")
 
@@ -279,35 +282,63 @@ def partial_vocabulary(g: GraphWriter, shape: LlamaShape, state: dict, scored: s
     return g.node("Gather", [padded, rows], ["/lm_head/spread"], axis=-1)[0]
 
 
-def model_graph(shape: LlamaShape, state: dict, precision: str, max_positions: int) -> onnx.ModelProto:
-    """The fp32 graph (see the module docstring); `quantize` turns it into int8 / int4."""
-    g = GraphWriter()
+def rope_caches(g: GraphWriter, shape: LlamaShape, max_positions: int) -> None:
+    """GroupQueryAttention's `cos_cache` and `sin_cache` inputs."""
     cos, sin = rope_tables(shape, max_positions)
     g.constant("cos_cache", cos)
     g.constant("sin_cache", sin)
+
+
+def weight_constant(g: GraphWriter, state: dict, name: str) -> str:
+    """`state[name]` as a float32 initializer of that name (norm weights, the embedding table)."""
+    return g.constant(name, as_array(state[name]))
+
+
+def model_graph(shape: LlamaShape, state: dict, precision: str, max_positions: int,
+                feature_layers: tuple[int, ...] = ()) -> onnx.ModelProto:
+    """The fp32 graph (see the module docstring); `quantize` turns it into int8 / int4.
+    With `feature_layers`, also the `hidden_states` output a feature draft reads."""
+    g = GraphWriter()
+    rope_caches(g, shape, max_positions)
     at = attention_inputs(g, attention_bias(g))
-    embed = g.constant("model.embed_tokens.weight", as_array(state["model.embed_tokens.weight"]))
+    embed = weight_constant(g, state, "model.embed_tokens.weight")
     hidden = g.node("Gather", [embed, "input_ids"], ["/embeddings"])[0]
     residual = None
     eps = shape.rms_norm_eps
+    entering = []  # by layer: the hidden state entering it (hidden + residual, as the skip norm sums them)
     for layer in range(shape.num_layers):
         prefix = f"model.layers.{layer}"
-        norm = g.constant(f"{prefix}.input_layernorm.weight", as_array(state[f"{prefix}.input_layernorm.weight"]))
+        norm = weight_constant(g, state, f"{prefix}.input_layernorm.weight")
         x, hidden = skip_norm(g, hidden, residual, norm, eps, f"/l{layer}/input_norm")
+        entering.append(hidden)
         attended = attention(g, shape, state, layer, x, at)
-        norm = g.constant(f"{prefix}.post_attention_layernorm.weight",
-                          as_array(state[f"{prefix}.post_attention_layernorm.weight"]))
+        norm = weight_constant(g, state, f"{prefix}.post_attention_layernorm.weight")
         x, hidden = skip_norm(g, hidden, attended, norm, eps, f"/l{layer}/post_norm")
         residual = mlp(g, state, layer, x)
-    norm = g.constant("model.norm.weight", as_array(state["model.norm.weight"]))
-    x, _ = skip_norm(g, hidden, residual, norm, eps, "/final_norm")
+    x, last = skip_norm(g, hidden, residual, weight_constant(g, state, "model.norm.weight"), eps, "/final_norm")
     g.node("Identity", [lm_head(g, shape, state, x, embed, precision)], ["logits"])
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", shape.vocab_size])]
+    if feature_layers:
+        outputs.append(feature_output(g, shape, [*entering, last], feature_layers))
     inputs = graph_inputs(shape)
     for layer in range(shape.num_layers):
         inputs += [kv_value(f"past_key.{layer}", shape), kv_value(f"past_value.{layer}", shape)]
         outputs += [kv_value(f"present_key.{layer}", shape), kv_value(f"present_value.{layer}", shape)]
-    graph = helper.make_graph(g.nodes, "model", inputs, outputs, g.initializers)
+    return finished_model(g, "model", inputs, outputs)
+
+
+def feature_output(g: GraphWriter, shape: LlamaShape, states: list[str],
+                   feature_layers: tuple[int, ...]) -> onnx.ValueInfoProto:
+    """`hidden_states`: `states[i]` (entering layer i; the last, leaving the last layer)
+    for each feature layer, joined in the order given (`llama.Features`)."""
+    Features(feature_layers, shape.num_layers)  # refuses layers outside 0..num_layers
+    g.node("Concat", [states[layer] for layer in feature_layers], [FEATURES_OUTPUT], axis=-1)
+    return helper.make_tensor_value_info(FEATURES_OUTPUT, TensorProto.FLOAT,
+                                         ["batch", "seq", len(feature_layers) * shape.hidden_size])
+
+
+def finished_model(g: GraphWriter, name: str, inputs: list, outputs: list) -> onnx.ModelProto:
+    graph = helper.make_graph(g.nodes, name, inputs, outputs, g.initializers)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)])
 
 
@@ -337,9 +368,14 @@ def quantize(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
     return quantizer.model.model
 
 
-def export_model(shape: LlamaShape, state: dict, path: Path, precision: str, max_positions: int) -> Path:
+def export_model(shape: LlamaShape, state: dict, path: Path, precision: str, max_positions: int,
+                 feature_layers: tuple[int, ...] = ()) -> Path:
     """Write the model graph at `precision` to `path`, its weights in one file beside it."""
-    model = quantize(model_graph(shape, state, precision, max_positions), precision)
+    return save_model(quantize(model_graph(shape, state, precision, max_positions, feature_layers), precision), path)
+
+
+def save_model(model: onnx.ModelProto, path: Path) -> Path:
+    """Check a graph and write it to `path`, its weights in one file beside it."""
     onnx.checker.check_model(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     weights = path.with_name(path.stem + ".weights")

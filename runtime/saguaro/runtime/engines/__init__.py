@@ -39,7 +39,8 @@ def backend_module(engine_dir: Path, manifest: dict):
 
 def load_engine_pair(engine_dir: str | Path, target_threads: int | None = None,
                      draft_threads: int | None = None):
-    """`(target_engine, draft_engine)` of a built engine directory, validated first.
+    """`(target_engine, draft_engine)` of a built engine directory, validated first; a draft
+    the manifest calls a feature head opens as its backend's feature draft.
 
     Thread counts default to the build config's `session.threads`."""
     engine_dir = Path(engine_dir)

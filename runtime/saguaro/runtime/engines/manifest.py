@@ -9,7 +9,9 @@ missing, changed, or not in the manifest fails with its name). Layout:
   format, format_version, name, backend, precision
   build        the build config (limits, session settings)
   models       target / draft: Hugging Face config, shape, checkpoint path, tokenizer
-               fingerprint, bos/eos ids, graphs {kind: {onnx, engine}}, signatures
+               fingerprint, bos/eos ids, graphs {kind: {onnx, engine}}, signatures;
+               a feature draft's `kind: feature_head` (its shape: the head's, with the
+               feature layers it reads), its target's `feature_layers` (it returns them)
   tokenizer    folder, fingerprint, vocab size
   plugins      {name: {namespace, version}}
   versions     exporter and backend versions, opset
@@ -35,6 +37,7 @@ MANIFEST_FILE = "manifest.json"
 FORMAT = "saguaro-engines"
 FORMAT_VERSION = 2  # 2: one fused model graph per role and KV slots (max_batch)
 ROLES = ("target", "draft")
+FEATURE_HEAD = "feature_head"  # a draft entry's `kind` when the draft is an EAGLE-3 head
 PLUGINS = {module.PLUGIN_NAME: {"namespace": module.PLUGIN_NAMESPACE, "version": module.PLUGIN_VERSION}
            for module in (fused_verify, branch_draft)}
 REQUIRED_KEYS = ("format", "format_version", "name", "backend", "precision", "build", "models",
@@ -160,4 +163,11 @@ def engine_info(backend: str, engine_dir: Path, role: str, manifest: dict) -> En
     return EngineInfo(backend=backend, path=str(Path(engine_dir) / role), vocab_size=model["shape"]["vocab_size"],
                       max_context=limits.max_context, eos_token_ids=manifest_eos_ids(model),
                       bos_token_id=model["bos_token_id"], tokenizer_fingerprint=model["tokenizer_fingerprint"],
-                      limits=limits, hidden_branches=hidden_branches_from_manifest(manifest))
+                      limits=limits, hidden_branches=hidden_branches_from_manifest(manifest),
+                      feature_layers=tuple(model.get("feature_layers", ())),
+                      reads_features=is_feature_draft(model))
+
+
+def is_feature_draft(model: dict) -> bool:
+    """Whether a model entry is a feature head (manifests before feature drafts have no `kind`)."""
+    return model.get("kind") == FEATURE_HEAD

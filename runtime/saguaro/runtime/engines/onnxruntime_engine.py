@@ -8,6 +8,13 @@ weightless graphs of their own: `fused_verify` (target) reads the model's logits
 and returns only `(accepted, bonus)`; `branch_draft` (draft) plans a round's branches.
 A branch commit moves entries inside the draft's slot (`PooledCache.gather`).
 
+With a feature draft (an EAGLE-3 head), the target's graph also returns its feature
+layers' hidden states (`hidden_states`), which its rows carry (`Rows.hidden`, and a
+round's committed positions in `VerifyResult.hidden`); the draft
+(`OnnxRuntimeFeatureDraft`) is the head's graph, which reads a feature beside each token
+(`Step.hidden`) and returns its own (`hidden_out`), and a `project` graph that turns the
+target's features into the head's inputs.
+
 `SessionSettings` and `session_options` say how every session runs (threads, pinning,
 spinning); the build uses the same options when it lets ONNX Runtime check a graph.
 """
@@ -22,10 +29,10 @@ import onnxruntime as ort
 import torch
 
 from saguaro.plugins.branch_draft.reference import BranchPlan
-from saguaro.runtime.contracts import (EngineInfo, OneSequenceForms, Step, VerifyResult, VerifyStep,
+from saguaro.runtime.contracts import (EngineInfo, OneSequenceForms, Rows, Step, VerifyResult, VerifyStep,
                                        draft_cache_capacity, target_cache_capacity)
 from saguaro.runtime.engines.batching import PackedBatch, pack_steps
-from saguaro.runtime.engines.manifest import engine_info
+from saguaro.runtime.engines.manifest import engine_info, is_feature_draft
 from saguaro.runtime.kv_cache import KVPool, PooledCache
 from saguaro.runtime.logprobs import verify_result
 
@@ -82,9 +89,17 @@ def bind_array(binding: ort.IOBinding, name: str, array: np.ndarray, output: boo
     bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
 
+def output_width(session: ort.InferenceSession, name: str) -> int:
+    """The last dimension of the graph's output `name`; 0 when the graph has no such output."""
+    return next((output.shape[-1] for output in session.get_outputs() if output.name == name), 0)
+
+
 class OnnxRuntimeEngine(OneSequenceForms):
     """One model's sessions (`model`, plus `fused_verify` for a target or `branch_draft`
-    for a draft) over a pool of KV slots; see `saguaro.runtime.contracts.Engine`."""
+    for a draft) over a pool of KV slots; see `saguaro.runtime.contracts.Engine`. A target
+    whose graph returns `hidden_states` (built for a feature draft) gives them with its rows."""
+
+    hidden_output = "hidden_states"  # the model graph's output that rows carry as `Rows.hidden`, if it has it
 
     def __init__(self, sessions: dict[str, ort.InferenceSession], info: EngineInfo, tokenizer, shape: dict,
                  slot_capacity: int):
@@ -92,25 +107,35 @@ class OnnxRuntimeEngine(OneSequenceForms):
         self.layers, self.vocab_size = shape["num_layers"], shape["vocab_size"]
         self.pool = KVPool(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
                            self.limits.max_batch, slot_capacity)
+        self.hidden_width = output_width(sessions["model"], self.hidden_output)
         self._no_draft_probs = np.zeros((self.limits.max_draft_tokens, self.vocab_size), np.float32)
 
     def new_cache(self, capacity: int) -> PooledCache:
         return self.pool.allocate(capacity)
 
     def forward_batch(self, steps: Sequence[Step]) -> list[torch.Tensor]:
+        return [rows.logits for rows in self.forward_rows(steps)]
+
+    def forward_rows(self, steps: Sequence[Step]) -> list[Rows]:
         packed = pack_steps(steps)
-        logits = self._run_model(packed)
+        logits, hidden = self._run_model(packed, self.extra_inputs(steps, packed))
         for step, count in zip(steps, packed.counts):
             step.cache.length += count
-        return [torch.from_numpy(logits[row, :count]) for row, count in zip(packed.rows, packed.counts)]
+        return [Rows(torch.from_numpy(logits[row, :count]),
+                     None if hidden is None else torch.from_numpy(hidden[row, :count]))
+                for row, count in zip(packed.rows, packed.counts)]
 
-    def _run_model(self, packed: PackedBatch) -> np.ndarray:
+    def extra_inputs(self, steps: Sequence[Step], packed: PackedBatch) -> dict[str, np.ndarray]:
+        """Model inputs beyond the packed batch's (a feature draft's features)."""
+        return {}
+
+    def _run_model(self, packed: PackedBatch, extra: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
         session = self.sessions["model"]
         binding = session.io_binding()
         inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
                   "seqlens_k": packed.seqlens_k, "query_seqlens": packed.query_seqlens,
                   "total_sequence_length": np.array(packed.total_sequence_length, np.int32),
-                  "attention_mask": packed.attention_mask}
+                  "attention_mask": packed.attention_mask, **extra}
         for name, array in inputs.items():
             bind_array(binding, name, array)
         rows = slice(packed.first_slot, packed.first_slot + packed.batch)
@@ -121,8 +146,12 @@ class OnnxRuntimeEngine(OneSequenceForms):
                 bind_array(binding, f"present_{kind}.{layer}", view, output=True)
         logits = np.empty((packed.batch, packed.input_ids.shape[1], self.vocab_size), np.float32)
         bind_array(binding, "logits", logits, output=True)
+        hidden = None
+        if self.hidden_width:
+            hidden = np.empty((packed.batch, packed.input_ids.shape[1], self.hidden_width), np.float32)
+            bind_array(binding, self.hidden_output, hidden, output=True)
         session.run_with_iobinding(binding)
-        return logits
+        return logits, hidden
 
     def verify_batch(self, steps: Sequence[VerifyStep]) -> list[VerifyResult]:
         """One batched forward over every round's `[last, d_1..d_K]`, then the FusedVerify
@@ -137,10 +166,10 @@ class OnnxRuntimeEngine(OneSequenceForms):
             if len(item.step.tokens) != k + 1 or len(item.uniforms) != k + 1:
                 raise ValueError(f"verify takes K+1 = {k + 1} tokens ([last, d_1..d_K]) and uniforms, "
                                  f"got {len(item.step.tokens)} and {len(item.uniforms)}")
-        rows = self.forward_batch([item.step for item in steps])
-        return [self._fused_verify(logits, item) for logits, item in zip(rows, steps)]
+        rows = self.forward_rows([item.step for item in steps])
+        return [self._fused_verify(logits, hidden, item) for (logits, hidden), item in zip(rows, steps)]
 
-    def _fused_verify(self, logits: torch.Tensor, item: VerifyStep) -> VerifyResult:
+    def _fused_verify(self, logits: torch.Tensor, hidden: torch.Tensor | None, item: VerifyStep) -> VerifyResult:
         k, sampling = len(item.draft_tokens), item.sampling
         probs = self._no_draft_probs[:k] if item.draft_probs is None else item.draft_probs.float().numpy()
         feeds = {"target_logits": logits.numpy(), "draft_tokens": item.draft_tokens.numpy().astype(np.int64),
@@ -148,7 +177,7 @@ class OnnxRuntimeEngine(OneSequenceForms):
                  "temperature": np.array(sampling.temperature, np.float32),
                  "top_k": np.array(sampling.top_k, np.int64), "top_p": np.array(sampling.top_p, np.float32)}
         accepted, bonus = self.sessions["fused_verify"].run(None, feeds)
-        return verify_result(int(accepted), int(bonus), logits, item)
+        return verify_result(int(accepted), int(bonus), logits, item, hidden)
 
     def plan_branches(self, scores, draft_tokens, fanout, context_length: int) -> BranchPlan:
         if "branch_draft" not in self.sessions:
@@ -161,6 +190,35 @@ class OnnxRuntimeEngine(OneSequenceForms):
                  "fanout": np.asarray(fanout, dtype=np.int64), "context_length": np.array(context_length, np.int64)}
         depth, token, rank, positions, window_mask = self.sessions["branch_draft"].run(None, feeds)
         return BranchPlan(*(torch.from_numpy(a) for a in (depth, token, rank, positions, window_mask)))
+
+
+class OnnxRuntimeFeatureDraft(OnnxRuntimeEngine):
+    """A feature draft (an EAGLE-3 head, `compiler.feature_export`): the head's one-layer
+    model graph, fed beside each token the feature of the position before it (`Step.hidden`;
+    zeros when a step brings none, as calibration forwards do), its rows carrying its own
+    predicted features; `project` turns the target's features into such inputs."""
+
+    hidden_output = "hidden_out"
+
+    def __init__(self, sessions: dict[str, ort.InferenceSession], info: EngineInfo, tokenizer, shape: dict,
+                 slot_capacity: int):
+        super().__init__(sessions, info, tokenizer, {**shape, "num_layers": 1}, slot_capacity)
+        self.hidden_size = shape["hidden_size"]  # of the features it reads
+
+    def extra_inputs(self, steps: Sequence[Step], packed: PackedBatch) -> dict[str, np.ndarray]:
+        hidden = np.zeros((packed.batch, packed.input_ids.shape[1], self.hidden_size), np.float32)
+        for step, row, count in zip(steps, packed.rows, packed.counts):
+            if step.hidden is not None:
+                hidden[row, :count] = step.hidden.float().numpy()
+        return {"hidden": hidden}
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features `[n, feature_width]` as the head reads them `[n, hidden]`."""
+        (projected,) = self.sessions["project"].run(None, {"features": np.ascontiguousarray(features.float().numpy())})
+        return torch.from_numpy(projected)
+
+    def verify_batch(self, steps: Sequence[VerifyStep]) -> list[VerifyResult]:
+        raise TypeError("a feature draft drafts for its target; it does not verify")
 
 
 def slot_capacity(role: str, manifest: dict) -> int:
@@ -178,5 +236,6 @@ def open_engine(engine_dir: Path, role: str, manifest: dict, tokenizer, threads:
     settings = settings or SessionSettings.from_manifest(manifest, threads)
     sessions = {kind: open_session(engine_dir / files["engine"], settings)
                 for kind, files in model["graphs"].items()}
-    return OnnxRuntimeEngine(sessions, engine_info("onnxruntime", engine_dir, role, manifest), tokenizer,
-                             model["shape"], slot_capacity(role, manifest))
+    engine = OnnxRuntimeFeatureDraft if is_feature_draft(model) else OnnxRuntimeEngine
+    return engine(sessions, engine_info("onnxruntime", engine_dir, role, manifest), tokenizer, model["shape"],
+                  slot_capacity(role, manifest))
