@@ -14,6 +14,9 @@ class GenerationStats:
     rounds: int = 0
     drafted_tokens: int = 0  # drafts verified, over all rounds (the load policy may vary K per round)
     accepted_histogram: list[int] = field(default_factory=list)  # index a: rounds that accepted a drafts
+    rounds_by_k: list[int] = field(default_factory=list)  # index k: rounds that verified k drafts
+    probe_rounds: int = 0          # rounds that drafted only to measure acceptance (the policy had speculation off)
+    prespeculated_rounds: int = 0  # rounds that pre-speculated their outcomes
     cache_hits: int = 0
     cache_misses: int = 0
     branches_drafted: int = 0
@@ -27,11 +30,20 @@ class GenerationStats:
     def __post_init__(self):
         if not self.accepted_histogram:
             self.accepted_histogram = [0] * (self.num_draft_tokens + 1)
+        if not self.rounds_by_k:
+            self.rounds_by_k = [0] * (self.num_draft_tokens + 1)
 
-    def record_round(self, accepted: int, drafted: int = 0) -> None:
+    def record_round(self, accepted: int, drafted: int | None = None, probe: bool = False,
+                     prespeculated: bool = False) -> None:
+        """`drafted`: the drafts the round verified (None: not known, as for a target that
+        drafts itself)."""
         self.rounds += 1
-        self.drafted_tokens += drafted
         self.accepted_histogram[accepted] += 1
+        if drafted is not None:
+            self.drafted_tokens += drafted
+            self.rounds_by_k[drafted] += 1
+        self.probe_rounds += probe
+        self.prespeculated_rounds += prespeculated
 
     @property
     def accepted_tokens(self) -> int:
@@ -47,6 +59,17 @@ class GenerationStats:
         return self.mean_accepted / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
+    def verified_acceptance(self) -> float:
+        """Accepted drafts per draft verified: with K varying per round, the acceptance the
+        rounds showed (0 when none verified a draft)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_k(self) -> float:
+        """Drafts verified per round."""
+        return self.drafted_tokens / max(self.rounds, 1)
+
+    @property
     def cache_hit_rate(self) -> float:
         return self.cache_hits / max(self.cache_hits + self.cache_misses, 1)
 
@@ -59,8 +82,8 @@ class GenerationStats:
         return self.draft_s + self.wait_s
 
     def as_dict(self) -> dict:
-        derived = ("mean_accepted", "acceptance_rate", "cache_hit_rate", "tokens_per_s",
-                   "target_waited_for_draft_s")
+        derived = ("mean_accepted", "acceptance_rate", "verified_acceptance", "mean_k", "cache_hit_rate",
+                   "tokens_per_s", "target_waited_for_draft_s")
         return {**asdict(self), **{name: getattr(self, name) for name in derived}}
 
 
