@@ -9,12 +9,16 @@ sequence without pre-speculation is plain speculative decoding; with K = 0 it dr
 nothing and each round is one autoregressive step. Before each round the load policy
 chooses every sequence's K for the round (up to its request's) and the branches it may
 pre-speculate (`load_policy`). Sequences join and leave between rounds, and nothing a
-sequence computes depends on the others in its batch.
+sequence computes depends on the others in its batch. A round in which no sequence
+pre-speculates has nothing of the draft's running beside the verification (its drafts,
+if any, were made before it), so the target verifies alone, on the draft's core as well
+(`run_alone`).
 """
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
@@ -144,6 +148,14 @@ class Sequence:
     def round_proposal(self) -> Draft:
         return self.proposal.prefix(self.round_draft_tokens)
 
+    def prepare(self, plan: Plan) -> None:
+        """Take the round's plan. A sequence that drafts this round and has no draft yet
+        (the last round drafted none, or its speculation missed) is left without a
+        proposal, for `Decoder.draft_misses`; one that drafts nothing gets the empty draft."""
+        self.plan = plan
+        if self.speculator is not None and (self.proposal is None or not len(self.proposal)):
+            self.proposal = None if plan.draft_tokens else self.empty
+
     @property
     def speculates(self) -> bool:
         """Pre-speculates this round: an ssd sequence with drafts to verify."""
@@ -158,9 +170,9 @@ class Sequence:
         (returns whether the lookup hit; None without one)."""
         drafted = self.round_proposal.tokens
         self.verifier.keep(self.out.ids, outcome)
-        self.stats.record_round(outcome.accepted, len(drafted))
+        self.stats.record_round(outcome.accepted, len(drafted), self.plan.probe, speculation is not None)
         self.out.commit(drafted[:outcome.accepted].tolist() + [outcome.bonus], outcome.logprobs)
-        self.proposal = None if self.k and self.plan.draft_tokens else self.empty
+        self.proposal = None if self.speculator is not None else self.empty
         if self.done or speculation is None:
             return None
         self.proposal = take_speculation(self.speculator, self.policy, self.stats, self.out.ids, drafted,
@@ -182,19 +194,23 @@ def finish(out: Output, stats: GenerationStats, started: float, seed: int | None
 class Decoder:
     """The target, the draft and the draft's worker thread; runs rounds over batches."""
 
-    def __init__(self, target, draft):
-        self.target, self.draft = target, draft
+    def __init__(self, target, draft, alone: bool = True):
+        """`alone` False: other decoders share the engines, so the target never runs alone."""
+        self.target, self.draft, self.alone = target, draft, alone
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="draft")
-        self.policy = LoadPolicy(target, draft)
+        self.policy = LoadPolicy(target, draft, alone)
 
     def close(self) -> None:
         self.worker.shutdown(wait=True)
 
     def start(self, requests: Seq[Request]) -> list[Sequence]:
-        """New sequences: the target prefills their prompts (one batched forward), the
-        draft drafts their first proposals (one batched forward per step)."""
+        """New sequences: the target prefills their prompts (one batched forward); the
+        draft drafts their first proposals in their first round, as the policy plans it."""
         if any(request.options.adapt_k for request in requests):
             self.policy.calibrate()
+        if self.alone:
+            with self.target.run_alone():
+                pass  # opens the target's wide session now, outside any request's time
         sequences = [Sequence(request, self.target, self.draft) for request in requests]
         prefills = [step for step in (s.verifier.prefill(s.request.prompt_ids) for s in sequences) if step]
         with stopwatch() as prefilling:
@@ -202,7 +218,6 @@ class Decoder:
                 self.target.forward_batch(prefills)
         for sequence in sequences:
             sequence.stats.prefill_s += prefilling.seconds
-        self.draft_misses(sequences)
         return sequences
 
     def decode_round(self, batch: list[Sequence]) -> None:
@@ -215,13 +230,15 @@ class Decoder:
     def _round(self, batch: list[Sequence]) -> tuple[float, float, float]:
         """The round itself; returns its verify, wait and critical drafting seconds."""
         for sequence, plan in zip(batch, self.policy.choose(batch)):
-            sequence.plan = plan
+            sequence.prepare(plan)
+        drafting_s = self.draft_misses(batch)
         speculating = [s for s in batch if s.speculates]
         steps = [s.verification() for s in batch]  # before the worker starts: it competes for the GIL
+        alone = self.alone and not speculating
         pending = self.worker.submit(self.prespeculate, speculating)
-        with stopwatch() as verifying:
+        with stopwatch() as verifying, self.target.run_alone() if alone else nullcontext():
             outcomes = self.target.verify_batch(steps)
-        self.policy.observe_verify(sum(len(step.step.tokens) for step in steps), verifying.seconds)
+        self.policy.observe_verify(sum(len(step.step.tokens) for step in steps), verifying.seconds, alone)
         with stopwatch() as waiting:
             speculations = dict(zip(map(id, speculating), pending.result()))
         for sequence, outcome in zip(batch, outcomes):
@@ -231,7 +248,6 @@ class Decoder:
             hit = sequence.commit(outcome, speculations.get(id(sequence)), verifying.seconds)
             if hit is not None:
                 self.policy.record_lookup(sequence.acceptance, sequence.greedy, hit)
-        drafting_s = self.draft_misses([s for s in batch if not s.done])
         return verifying.seconds, waiting.seconds, drafting_s
 
     def prespeculate(self, batch: list[Sequence]) -> list[SpeculationCache]:
@@ -250,8 +266,8 @@ class Decoder:
         return speculations
 
     def draft_misses(self, batch: list[Sequence]) -> float:
-        """Ordinary drafts, in the worker, for the sequences a round left without one
-        (returns the time it took)."""
+        """Ordinary drafts, in the worker, before the round's verification, for the
+        sequences that draft this round and have no draft (returns the time it took)."""
         needing = [s for s in batch if s.proposal is None]
         if not needing:
             return 0.0
