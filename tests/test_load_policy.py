@@ -264,6 +264,20 @@ def test_a_draft_that_never_agrees_is_switched_off_and_probed(tiny_pair, tiny_re
     assert sum(stats.rounds_by_k) == stats.rounds == len(plans)
 
 
+def test_a_sampled_requests_k_follows_the_policy_too(tiny_pair, tiny_reference):
+    """A sampled request that lets the policy choose gets K = 0 for a draft that never
+    agrees (most rounds, and probes), where it used to keep its K; one that pins K keeps it."""
+    target, prompt, _, never = tiny_reference
+    pipeline = with_costs_by_hand(Pipeline(target, Disagreeing(TorchEngine(tiny_pair / "draft"), never)))
+    sampling = SamplingParams(temperature=0.7, seed=5)
+    common = dict(mode="ssd", num_draft_tokens=4, max_tokens=200, eos_token_id=-1)
+    adapting = pipeline.generate(prompt, DecodeOptions(adapt_k=True, **common), sampling).stats
+    pinned = pipeline.generate(prompt, DecodeOptions(**common), sampling).stats
+    pipeline.close()
+    assert adapting.rounds_by_k[0] >= 0.8 * adapting.rounds and adapting.probe_rounds >= 3
+    assert pinned.rounds_by_k[4] >= pinned.rounds - 4 and pinned.probe_rounds == 0  # less only at the end
+
+
 def test_a_draft_that_starts_agreeing_turns_speculation_back_on(tiny_pair, tiny_reference):
     """A draft that disagrees for the first 60 rounds and then is the target itself: the
     policy turns speculation off, probes, and once the probes are accepted drafts again,

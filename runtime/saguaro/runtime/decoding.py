@@ -125,14 +125,16 @@ class Sequence:
 
     @property
     def adapts(self) -> bool:
-        """K follows the load policy: a greedy request that did not pin it. A sampled
-        request keeps its K (K changes which tokens a seed draws, and a seed must replay);
-        its pre-speculation still follows the policy (it changes no token)."""
-        return self.request.options.adapt_k and self.greedy
+        """K follows the load policy: a request that did not pin it, greedy or sampled. A
+        sampled request's output is distributed as the target's for every K, but K changes
+        which tokens a seed draws: its seed replays exactly when the same K are chosen, as
+        with K pinned (`adapt_k` off: `--fixed-k`, or a request that names its K)."""
+        return self.request.options.adapt_k
 
     @property
     def steered(self) -> bool:
-        """Its pre-speculation follows the load policy (on or off, how many branches)."""
+        """Its pre-speculation follows the load policy (on or off, how many branches): as
+        `adapts`, a request that lets the policy choose."""
         return self.request.options.adapt_k
 
     @property

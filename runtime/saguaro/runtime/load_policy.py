@@ -46,13 +46,14 @@ rounds after that, with old measurements fading. The pre-speculation budget is t
 number of branch rows a tree step can take while staying under the verification.
 
 Greedy output does not depend on K: on ONNX Runtime engines a token's logits are bit-
-identical at every verify width (`tests/test_row_independence.py`), on torch engines
-they may differ in the last bits, which flipped no token of 1000 prompts x 64 (see
-docs/exactness.md). A sampled request's output for a given seed does (it
-is distributed exactly as the target's for every K, but K changes which tokens a seed
-draws), so a sampled request keeps its K and samples exactly what it samples alone, for
-its seed, whatever the load; only its pre-speculation (on or off, how many branches)
-follows the policy, which changes no token. A request that names its K keeps it too.
+identical at every verify width (`tests/test_row_independence.py`) and on either
+session, on torch engines they may differ in the last bits, which flipped no token of
+1000 prompts x 64 (see docs/exactness.md). A sampled request's K follows the policy
+too: its output is distributed exactly as the target's for every K, but K changes which
+tokens a seed draws, so a seed replays exactly when the same K are chosen round by
+round, which the policy does not promise (they follow measured costs and the company).
+A request that pins its K (`adapt_k` off: `--fixed-k`, or a server request that names
+`num_draft_tokens`) keeps it, and its seed replays whatever the load.
 """
 from __future__ import annotations
 
