@@ -187,6 +187,21 @@ def test_a_round_without_pre_speculation_is_costed_alone():
     assert alone.choose([FakeSequence()])[0].draft_tokens == 0
 
 
+def test_the_target_runs_alone_on_the_session_measured_faster_and_tries_the_other_once_a_period():
+    """On a busy machine the two-thread session can be the slower: rounds without
+    pre-speculation then verify on the engine's own session, and the other one runs once
+    a period, so that its curve follows the machine too."""
+    for alone_seconds, usually in ((0.002, True), (0.008, False)):
+        policy = policy_with(measured(0.004, 0.0003), measured(0.0003, 0.00002), acceptance=0.5)
+        policy.alone_cost = measured(alone_seconds, 0.0003)
+        choices = [policy.runs_alone(1) for _ in range(2 * PROBE_PERIOD)]
+        others = [i for i, choice in enumerate(choices) if choice != usually]
+        assert others == [PROBE_PERIOD - 1, 2 * PROBE_PERIOD - 1]
+        assert policy._verify_seconds(1, alone=True) == pytest.approx(min(alone_seconds, 0.004) + 0.0003)
+    policy.alone = False  # other decoders share the engines
+    assert not any(policy.runs_alone(1) for _ in range(2 * PROBE_PERIOD))
+
+
 class Disagreeing:
     """A draft engine whose logits always put `token` first (while `disagrees`), a token
     the target's greedy output never holds: every draft is rejected."""

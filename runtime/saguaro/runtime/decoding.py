@@ -236,11 +236,12 @@ class Decoder:
         drafting_s = self.draft_misses(batch)
         speculating = [s for s in batch if s.speculates]
         steps = [s.verification() for s in batch]  # before the worker starts: it competes for the GIL
-        alone = self.alone and not speculating
+        tokens = sum(len(step.step.tokens) for step in steps)
+        alone = self.alone and not speculating and self.policy.runs_alone(tokens)
         pending = self.worker.submit(self.prespeculate, speculating)
         with stopwatch() as verifying, self.target.run_alone() if alone else nullcontext():
             outcomes = self.target.verify_batch(steps)
-        self.policy.observe_verify(sum(len(step.step.tokens) for step in steps), verifying.seconds, alone)
+        self.policy.observe_verify(tokens, verifying.seconds, alone)
         with stopwatch() as waiting:
             speculations = dict(zip(map(id, speculating), pending.result()))
         for sequence, outcome in zip(batch, outcomes):

@@ -262,6 +262,7 @@ class LoadPolicy:
         self.verify_cost, self.draft_cost, self.tree_cost = CostCurve(), CostCurve(), CostCurve()
         self.alone_cost = CostCurve()  # verify(N) with nothing of the draft's beside it (`run_alone`)
         self.alone = alone
+        self._unspeculated_rounds = 0  # rounds asked `runs_alone`
         self.host_cost = LinearCost()
         self.shared = {greedy: Acceptance(fading=SHARED_FADING) for greedy in (True, False)}
         self._engines = (target, draft)
@@ -373,8 +374,24 @@ class LoadPolicy:
         return verify + host + critical + overrun
 
     def _verify_seconds(self, tokens: int, alone: bool) -> float:
-        alone = alone and self.alone and self.alone_cost.known
-        return (self.alone_cost if alone else self.verify_cost)(tokens)
+        """A verification of `tokens`; `alone`: with nothing of the draft's beside it, on
+        the faster of the two sessions."""
+        if alone and self.alone and self.alone_cost.known:
+            return min(self.alone_cost(tokens), self.verify_cost(tokens) if self.verify_cost.known else float("inf"))
+        return self.verify_cost(tokens)
+
+    def runs_alone(self, tokens: int) -> bool:
+        """Whether a round of `tokens` without pre-speculation verifies on the wide session:
+        unless the curves say it is the slower (on a busy machine two threads wait for each
+        other). Once a period the other session runs instead, so both curves stay measured."""
+        if not self.alone:
+            return False
+        self._unspeculated_rounds += 1
+        other = self._unspeculated_rounds % PROBE_PERIOD == 0
+        if not (self.alone_cost.known and self.verify_cost.known):  # not calibrated: measured as it runs
+            return not other
+        faster = self.alone_cost(tokens) <= self.verify_cost(tokens)
+        return faster != other
 
     def _rate(self, candidates, ks) -> float:
         tokens = sum(c.expected_tokens(k) for c, k in zip(candidates, ks))
