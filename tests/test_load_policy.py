@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from saguaro.runtime.cli import policy_summary
 from saguaro.runtime.contracts import Step
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.torch_engine import TorchEngine
@@ -14,6 +15,7 @@ from saguaro.runtime.load_policy import PROBE_DRAFTS, PROBE_PERIOD, Acceptance, 
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.runtime.sampling import SamplingParams
+from saguaro.runtime.stats import GenerationStats
 
 
 @dataclass
@@ -342,3 +344,19 @@ def test_the_wide_session_gives_the_same_logits_and_tokens(tiny_engines):
         pipeline.close()
         assert used == alone
     assert outputs[True] == outputs[False]
+
+
+def test_generate_says_what_the_policy_chose():
+    """The summary line of `generate.py`, from the generation's rounds: speculation off
+    (with its probes and the acceptance that did not pay), or the K it mostly chose."""
+    off = GenerationStats("ssd", 4)
+    for accepted, drafted, probe in [(0, 4, False), (1, 2, False)] + [(0, 0, False)] * 60 + [(0, 1, True)] * 2:
+        off.record_round(accepted, drafted, probe)
+    assert policy_summary(off.as_dict()) == ("load policy: K per round 0 in 94% of rounds (speculation off: "
+                                             "acceptance 0.12 does not pay for drafting at these costs); K > 0 in 4 "
+                                             f"rounds, probes every {PROBE_PERIOD} rounds (2 probed)")
+    on = GenerationStats("ssd", 4)
+    for accepted, drafted, prespeculated in [(3, 4, True)] * 9 + [(0, 2, False)]:
+        on.record_round(accepted, drafted, prespeculated=prespeculated)
+    assert policy_summary(on.as_dict()) == ("load policy: K=4 in 90% of rounds (mean K per round 3.80), with "
+                                            "pre-speculation in 90% of rounds; acceptance 0.71 per draft; no probe")
