@@ -54,6 +54,19 @@ def test_the_cost_curve_interpolates_and_follows_what_it_measures():
     assert cost(4) == pytest.approx(0.006, rel=0.02) and cost(64) == pytest.approx(0.020)
 
 
+def test_calibration_gives_a_curve_its_shape_even_after_autoregressive_rounds_measured_it(tiny_pair):
+    """Autoregressive rounds measure verify(1) only; a decoder that served them first still
+    calibrates before the first request it steers, or verify(5) would be guessed 5 x verify(1)
+    (the one point scaled), and drafting would never look as if it paid."""
+    target, draft = TorchEngine(tiny_pair / "target"), TorchEngine(tiny_pair / "draft")
+    policy = LoadPolicy(target, draft)
+    policy.observe_verify(1, 0.004)
+    policy.observe_verify(1, 0.004, alone=True)
+    policy.calibrate()
+    for curve in (policy.verify_cost, policy.alone_cost, policy.draft_cost):
+        assert len(curve.points) > 4 and 5 in curve.points
+
+
 def test_host_time_fits_a_line_and_older_measurements_fade():
     host = LinearCost()
     for batch in (1, 2, 4):

@@ -69,7 +69,7 @@ CALIBRATION_CONTEXT = 64                # cached tokens behind them (at most hal
 FADING = 0.98                     # weight of older host-time measurements after each new one
 MOST_BRANCHES = 1 << 12           # per request: beyond any engine's built maximum
 FOLLOWING = 0.1                   # how far one measurement moves the cost curve toward itself
-SHARED_FADING = 0.995             # of the acceptance counts shared by all requests (per round)
+SHARED_FADING = 0.995             # of the acceptance counts shared by all requests (per round with drafts)
 PRIOR_WEIGHT = 8.0                # pseudo-rounds of the shared estimate in a request's own
 # Before anything was measured: optimistic about acceptance, so that the first rounds
 # draft and measure it.
@@ -94,6 +94,12 @@ class CostCurve:
     @property
     def known(self) -> bool:
         return bool(self.points)
+
+    @property
+    def shaped(self) -> bool:
+        """Measured at more than one size: a curve that autoregressive rounds alone have
+        measured (at one token) still needs its calibration to say what wider ones cost."""
+        return len(self.points) > 1
 
     def observe(self, size: float, seconds: float, lasting: bool = False) -> None:
         """`lasting`: a calibration point, taken as it is (the fastest of its repeats)."""
@@ -296,12 +302,12 @@ class LoadPolicy:
         """Costs to start from; the decoder calls it before the first requests the policy
         steers take their KV slots (calibrating needs one of each engine's)."""
         target, draft = self._engines
-        if not self.verify_cost.known:
+        if not self.verify_cost.shaped:
             calibrate(target, self.verify_cost)
-        if self.alone and not self.alone_cost.known:
+        if self.alone and not self.alone_cost.shaped:
             with target.run_alone():
                 calibrate(target, self.alone_cost)
-        if not self.draft_cost.known:
+        if not self.draft_cost.shaped:
             calibrate(draft, self.draft_cost)
             self.tree_cost = CostCurve(self.draft_cost.points)
 
