@@ -159,6 +159,11 @@ class Sequence:
             self.proposal = None if plan.draft_tokens else self.empty
 
     @property
+    def draft_lags(self) -> bool:
+        """Drafts nothing this round and its draft cache lacks committed tokens."""
+        return self.speculator is not None and not self.plan.draft_tokens and self.speculator.lag(self.out.ids) > 0
+
+    @property
     def speculates(self) -> bool:
         """Pre-speculates this round: an ssd sequence with drafts to verify."""
         return self.prespeculating and self.plan.prespeculate and self.round_draft_tokens > 0
@@ -239,11 +244,19 @@ class Decoder:
         tokens = sum(len(step.step.tokens) for step in steps)
         alone = self.alone and not speculating and self.policy.runs_alone(tokens)
         pending = self.worker.submit(self.prespeculate, speculating)
+        # the draft's core is free while a round without pre-speculation verifies on its own
+        # core: sequences that draft nothing bring their draft caches up to date meanwhile,
+        # so that a probe, or speculation coming back, has only the newest tokens to feed
+        lagging = [] if alone or speculating else [s for s in batch if s.draft_lags]
+        catching = lagging and self.worker.submit(lockstep, self.draft, [s.speculator.catch_up(s.out.ids)
+                                                                         for s in lagging])
         with stopwatch() as verifying, self.target.run_alone() if alone else nullcontext():
             outcomes = self.target.verify_batch(steps)
         self.policy.observe_verify(tokens, verifying.seconds, alone)
         with stopwatch() as waiting:
             speculations = dict(zip(map(id, speculating), pending.result()))
+            if catching:
+                catching.result()
         for sequence, outcome in zip(batch, outcomes):
             sequence.stats.verify_s += verifying.seconds
             sequence.stats.wait_s += waiting.seconds
@@ -274,11 +287,14 @@ class Decoder:
         needing = [s for s in batch if s.proposal is None]
         if not needing:
             return 0.0
+        # a draft that first feeds a prompt, or tokens it missed, is no measure of a step
+        steady = all(s.speculator.lag(s.out.ids) <= s.plan.draft_tokens + 1 for s in needing)
         with stopwatch() as drafting:
             drafts = self.worker.submit(lockstep, self.draft, [s.speculator.draft(s.out.ids, s.plan.draft_tokens)
                                                                for s in needing]).result()
         for sequence, draft in zip(needing, drafts):
             sequence.proposal = draft
             sequence.stats.draft_s += drafting.seconds
-        self.policy.observe_drafting(len(needing), max(len(draft) for draft in drafts), drafting.seconds)
+        if steady:
+            self.policy.observe_drafting(len(needing), max(len(draft) for draft in drafts), drafting.seconds)
         return drafting.seconds

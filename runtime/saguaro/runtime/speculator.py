@@ -80,6 +80,16 @@ class Speculator:
         self._keep(shared)
         return (yield from self._feed(ids[shared:], shared))
 
+    def lag(self, ids: list[int]) -> int:
+        """Committed tokens the cache lacks (at most K + 1 after an ordinary round)."""
+        return len(ids) - len(self.cached)
+
+    def catch_up(self, ids: list[int]) -> Forwards:
+        """Feed the committed tokens the cache lacks, so that the next draft has only the
+        newest to feed (a sequence that drafted nothing for a while)."""
+        if self.lag(ids) > 0:
+            yield from self._sync(ids)
+
     def draft(self, ids: list[int], k: int) -> Forwards:
         """Ordinary drafting: k tokens from `ids`, one forward each (the last not fed)."""
         if k == 0:
