@@ -1,7 +1,7 @@
 """Exactness does not depend on company: a request decoded in a batch, whatever else is in
 it, joins or leaves, gives exactly what it gives alone (greedy tokens identical, seeded
 samples identical), on torch engines and on ONNX Runtime engines at fp32 and int8, with
-the load policy choosing greedy requests' K; requests that stop at their end token stop
+the load policy choosing greedy requests' K (sampled ones pin theirs); requests that stop at their end token stop
 at the same token in a batch as alone."""
 import dataclasses
 import threading
@@ -17,13 +17,13 @@ PROMPTS = ["The with statement", "A class definition defines", "x", "Exceptions 
            "The import system", "In a for loop,", "Comparisons", "Lambda expressions are",
            "The del statement", "String literals are", "Boolean operations", "The pass statement"]
 SETTINGS = [  # mode, K, branching, sampling, max_tokens: every kind of request in one batch
-    # adapt_k: K per round from the load policy, which depends on the company; a seeded
-    # sampled request keeps its K whatever it asks, so the seed replays exactly
+    # adapt_k: K per round from the load policy, which depends on the company; greedy
+    # output does not depend on K, a seeded sampled request's does, so the sampled ones pin
+    # their K (adapt_k off) and their seeds replay exactly
     (dict(mode="ssd", num_draft_tokens=4, fanout=(3,), adapt_k=True), SamplingParams(), 40),
-    (dict(mode="speculative", num_draft_tokens=2, adapt_k=True), SamplingParams(temperature=0.8, seed=3), 25),
+    (dict(mode="speculative", num_draft_tokens=2), SamplingParams(temperature=0.8, seed=3), 25),
     (dict(mode="autoregressive"), SamplingParams(), 30),
-    (dict(mode="ssd", num_draft_tokens=3, budget="auto", adapt_k=True),
-     SamplingParams(temperature=1.0, top_k=20, seed=9), 35),
+    (dict(mode="ssd", num_draft_tokens=3, budget="auto"), SamplingParams(temperature=1.0, top_k=20, seed=9), 35),
     (dict(mode="ssd", num_draft_tokens=5, budget=6, saguaro_factor=0.5), SamplingParams(temperature=0.7, seed=1), 20),
     (dict(mode="autoregressive"), SamplingParams(temperature=0.9, top_p=0.9, seed=4), 45),
     (dict(mode="ssd", num_draft_tokens=1, fanout=(2, 2)), SamplingParams(), 15),

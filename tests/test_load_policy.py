@@ -1,13 +1,21 @@
 """The load policy: each round's K from measured costs and shared acceptance. Costs are
-set by hand here (as if measured), so each test knows which K pays."""
+set by hand here (as if measured), so each test knows which K pays; then the policy on
+real engines with drafts that never agree, or agree once they did not, and the target's
+wide session (`run_alone`)."""
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
-from saguaro.runtime.load_policy import Acceptance, CostCurve, LinearCost, LoadPolicy
+from saguaro.runtime.cli import policy_summary
+from saguaro.runtime.contracts import Step
+from saguaro.runtime.engines import load_engine_pair
+from saguaro.runtime.engines.torch_engine import TorchEngine
+from saguaro.runtime.load_policy import PROBE_DRAFTS, PROBE_PERIOD, Acceptance, CostCurve, LinearCost, LoadPolicy, Plan
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.runtime.sampling import SamplingParams
+from saguaro.runtime.stats import GenerationStats
 
 
 @dataclass
@@ -19,6 +27,7 @@ class FakeSequence:  # what the policy reads of a `decoding.Sequence`
     prespeculating: bool = False
     room: int = 100
     acceptance: Acceptance = field(default_factory=Acceptance)
+    plan: Plan = field(default_factory=lambda: Plan(4))  # the last round's
 
 
 def measured(intercept_s: float, per_token_s: float) -> CostCurve:
@@ -43,6 +52,19 @@ def test_the_cost_curve_interpolates_and_follows_what_it_measures():
     for _ in range(400):
         cost.observe(4, 0.006)  # the machine got slower around 4 tokens
     assert cost(4) == pytest.approx(0.006, rel=0.02) and cost(64) == pytest.approx(0.020)
+
+
+def test_calibration_gives_a_curve_its_shape_even_after_autoregressive_rounds_measured_it(tiny_pair):
+    """Autoregressive rounds measure verify(1) only; a decoder that served them first still
+    calibrates before the first request it steers, or verify(5) would be guessed 5 x verify(1)
+    (the one point scaled), and drafting would never look as if it paid."""
+    target, draft = TorchEngine(tiny_pair / "target"), TorchEngine(tiny_pair / "draft")
+    policy = LoadPolicy(target, draft)
+    policy.observe_verify(1, 0.004)
+    policy.observe_verify(1, 0.004, alone=True)
+    policy.calibrate()
+    for curve in (policy.verify_cost, policy.alone_cost, policy.draft_cost):
+        assert len(curve.points) > 4 and 5 in curve.points
 
 
 def test_host_time_fits_a_line_and_older_measurements_fade():
@@ -128,3 +150,226 @@ def test_pre_speculation_that_cannot_hide_is_left_out_for_adapting_requests_only
                                          FakeSequence(prespeculating=True, adapts=False, steered=False)])
     assert not adapting.prespeculate and pinned.prespeculate
 
+
+
+def rounds_of(policy: LoadPolicy, sequence: FakeSequence, rounds: int, accepts) -> list[Plan]:
+    """`rounds` rounds of one request: each verifies what its plan drafts, and `accepts(k)`
+    of them are accepted."""
+    plans = []
+    for _ in range(rounds):
+        plan = sequence.plan = policy.choose([sequence])[0]
+        policy.record_round(sequence.acceptance, sequence.greedy, plan.draft_tokens, accepts(plan.draft_tokens))
+        plans.append(plan)
+    return plans
+
+
+def test_speculation_that_does_not_pay_turns_off_probes_every_period_and_comes_back():
+    """Costs where drafting pays at good acceptance: a draft that is always rejected gets
+    K = 0 within a few rounds, then exactly one probe round (PROBE_DRAFTS drafts, not
+    pre-speculated) every PROBE_PERIOD rounds; once its drafts are accepted, K comes back
+    within a period and climbs to the most the request allows."""
+    policy = policy_with(measured(0.004, 0.0003), measured(0.0003, 0.00002), acceptance=0.8)
+    policy.shared[True].verified, policy.shared[True].accepted = [], []  # nothing measured yet
+    sequence = FakeSequence(prespeculating=True)
+    plans = rounds_of(policy, sequence, 8 + 4 * PROBE_PERIOD, accepts=lambda k: 0)
+    off = next(i for i, plan in enumerate(plans) if plan.draft_tokens == 0)
+    assert off <= 12 and plans[0].draft_tokens == 4
+    drafting = [i for i, plan in enumerate(plans) if i > off and plan.draft_tokens]
+    assert drafting and [b - a for a, b in zip([off - 1] + drafting, drafting)] == [PROBE_PERIOD] * len(drafting)
+    assert all(plans[i].probe and plans[i].draft_tokens == PROBE_DRAFTS and not plans[i].prespeculate
+               for i in drafting)
+    assert len(drafting) == (len(plans) - off) // PROBE_PERIOD
+
+    sequence.plan = replace_quiet(sequence.plan, PROBE_PERIOD - 1)  # the next round probes
+    better = rounds_of(policy, sequence, 2 * PROBE_PERIOD, accepts=lambda k: k)
+    back = next(i for i, plan in enumerate(better) if plan.draft_tokens and not plan.probe)
+    assert back < PROBE_PERIOD and better[-1].draft_tokens == 4 and not better[-1].probe
+
+
+def replace_quiet(plan: Plan, quiet: int) -> Plan:
+    return Plan(plan.draft_tokens, plan.prespeculate, plan.branches, quiet, plan.probe)
+
+
+def test_a_round_without_pre_speculation_is_costed_alone():
+    """When the target verifies alone on both cores its rounds cost less, so the policy
+    compares K = 0 with drafting at that cost: with verification alone twice as fast, the
+    acceptance that paid for drafting no longer does."""
+    verify, draft = measured(0.004, 0.0003), measured(0.0015, 0.00002)
+    shared_cores = policy_with(verify, draft, acceptance=0.5)
+    alone = policy_with(verify, draft, acceptance=0.5)
+    alone.alone_cost = measured(0.002, 0.00015)
+    assert shared_cores.choose([FakeSequence()])[0].draft_tokens > 0
+    assert alone.choose([FakeSequence()])[0].draft_tokens == 0
+
+
+def test_the_target_runs_alone_on_the_session_measured_faster_and_tries_the_other_once_a_period():
+    """On a busy machine the two-thread session can be the slower: rounds without
+    pre-speculation then verify on the engine's own session, and the other one runs once
+    a period, so that its curve follows the machine too."""
+    for alone_seconds, usually in ((0.002, True), (0.008, False)):
+        policy = policy_with(measured(0.004, 0.0003), measured(0.0003, 0.00002), acceptance=0.5)
+        policy.alone_cost = measured(alone_seconds, 0.0003)
+        choices = [policy.runs_alone(1) for _ in range(2 * PROBE_PERIOD)]
+        others = [i for i, choice in enumerate(choices) if choice != usually]
+        assert others == [PROBE_PERIOD - 1, 2 * PROBE_PERIOD - 1]
+        assert policy._verify_seconds(1, alone=True) == pytest.approx(min(alone_seconds, 0.004) + 0.0003)
+    policy.alone = False  # other decoders share the engines
+    assert not any(policy.runs_alone(1) for _ in range(2 * PROBE_PERIOD))
+
+
+class Disagreeing:
+    """A draft engine whose logits always put `token` first (while `disagrees`), a token
+    the target's greedy output never holds: every draft is rejected."""
+
+    def __init__(self, engine, token: int):
+        self.engine, self.info, self.tokenizer = engine, engine.info, engine.tokenizer
+        self.token, self.disagrees = token, True
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def forward_batch(self, steps):
+        rows = self.engine.forward_batch(steps)
+        return [self._disagreeing(logits) for logits in rows] if self.disagrees else rows
+
+    def _disagreeing(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.clone()
+        logits[..., self.token] = logits.max() + 100.0
+        return logits
+
+
+def with_costs_by_hand(pipeline: Pipeline) -> Pipeline:
+    """The decoder's policy on the costs of the tests above, held (no calibration, no
+    following), so that its choices depend on the acceptance the real rounds show only."""
+    policy = pipeline.schedulers[0].decoder.policy
+    policy.verify_cost, policy.draft_cost = measured(0.004, 0.0003), measured(0.0003, 0.00002)
+    policy.tree_cost, policy.alone_cost = policy.draft_cost, policy.verify_cost
+    for name in ("observe_verify", "observe_drafting", "observe_prespeculation", "observe_host"):
+        setattr(policy, name, lambda *args, **kwargs: None)
+    return pipeline
+
+
+def plans_of_one_request(pipeline: Pipeline, prompt, options, sampling, on_round=None):
+    """The generation, and the plan of each of its rounds."""
+    plans = []
+
+    def observe(batch):
+        plans.append(batch[0].plan)
+        if on_round is not None:
+            on_round(len(plans))
+
+    pipeline.observe_rounds(observe)
+    return pipeline.generate(prompt, options, sampling), plans
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_pair):
+    """The tiny target's greedy output for a prompt, and a token that output never holds."""
+    target = TorchEngine(tiny_pair / "target")
+    pipeline = Pipeline(target, TorchEngine(tiny_pair / "draft"))
+    prompt = pipeline.encode("The with statement")
+    expected = pipeline.generate(prompt, DecodeOptions(mode="autoregressive", max_tokens=200, eos_token_id=-1),
+                                 SamplingParams()).output_ids
+    pipeline.close()
+    never = next(token for token in range(target.info.vocab_size) if token not in expected)
+    return target, prompt, expected, never
+
+
+def test_a_draft_that_never_agrees_is_switched_off_and_probed(tiny_pair, tiny_reference):
+    """K = 0 after a few rounds, then exactly one probe round per PROBE_PERIOD (a rejected
+    probe is not followed by another), and the output is the target's alone."""
+    target, prompt, expected, never = tiny_reference
+    pipeline = with_costs_by_hand(Pipeline(target, Disagreeing(TorchEngine(tiny_pair / "draft"), never)))
+    options = DecodeOptions(mode="ssd", num_draft_tokens=4, adapt_k=True, max_tokens=200, eos_token_id=-1)
+    generation, plans = plans_of_one_request(pipeline, prompt, options, SamplingParams())
+    pipeline.close()
+    assert generation.output_ids == expected
+    off = next(i for i, plan in enumerate(plans) if plan.draft_tokens == 0)
+    probes = [i for i, plan in enumerate(plans) if i > off and plan.draft_tokens]
+    assert off <= 12 and len(probes) >= 3
+    assert all(plans[i].probe and plans[i].draft_tokens == PROBE_DRAFTS for i in probes)
+    assert [b - a for a, b in zip([off - 1] + probes, probes)] == [PROBE_PERIOD] * len(probes)
+    stats = generation.stats
+    assert stats.probe_rounds == len(probes) and stats.rounds_by_k[0] == len(plans) - off - len(probes)
+    assert sum(stats.rounds_by_k) == stats.rounds == len(plans)
+
+
+def test_a_sampled_requests_k_follows_the_policy_too(tiny_pair, tiny_reference):
+    """A sampled request that lets the policy choose gets K = 0 for a draft that never
+    agrees (most rounds, and probes), where it used to keep its K; one that pins K keeps it."""
+    target, prompt, _, never = tiny_reference
+    pipeline = with_costs_by_hand(Pipeline(target, Disagreeing(TorchEngine(tiny_pair / "draft"), never)))
+    sampling = SamplingParams(temperature=0.7, seed=5)
+    common = dict(mode="ssd", num_draft_tokens=4, max_tokens=200, eos_token_id=-1)
+    adapting = pipeline.generate(prompt, DecodeOptions(adapt_k=True, **common), sampling).stats
+    pinned = pipeline.generate(prompt, DecodeOptions(**common), sampling).stats
+    pipeline.close()
+    assert adapting.rounds_by_k[0] >= 0.8 * adapting.rounds and adapting.probe_rounds >= 3
+    assert pinned.rounds_by_k[4] >= pinned.rounds - 4 and pinned.probe_rounds == 0  # less only at the end
+
+
+def test_a_draft_that_starts_agreeing_turns_speculation_back_on(tiny_pair, tiny_reference):
+    """A draft that disagrees for the first 60 rounds and then is the target itself: the
+    policy turns speculation off, probes, and once the probes are accepted drafts again,
+    up to the request's K."""
+    target, prompt, expected, never = tiny_reference
+    draft = Disagreeing(TorchEngine(tiny_pair / "target"), never)  # the target's weights: it agrees
+
+    def agree_after_60(rounds: int) -> None:
+        draft.disagrees = rounds < 60
+
+    pipeline = with_costs_by_hand(Pipeline(target, draft))
+    options = DecodeOptions(mode="speculative", num_draft_tokens=4, adapt_k=True, max_tokens=200, eos_token_id=-1)
+    generation, plans = plans_of_one_request(pipeline, prompt, options, SamplingParams(), agree_after_60)
+    pipeline.close()
+    assert generation.output_ids == expected
+    assert any(plan.draft_tokens == 0 for plan in plans[:60])
+    back = next(i for i, plan in enumerate(plans) if i >= 60 and plan.draft_tokens and not plan.probe)
+    assert back < 60 + 2 * PROBE_PERIOD
+    assert max(plan.draft_tokens for plan in plans[back:]) == 4
+
+
+def test_the_wide_session_gives_the_same_logits_and_tokens(tiny_engines):
+    """The target run alone (a second session of its graph, two threads) computes the same
+    logits, bit for bit, and greedy decoding gives the same tokens with it and without."""
+    target, _ = load_engine_pair(tiny_engines)
+    cache = target.new_cache(64)
+    target.forward_batch([Step(cache, torch.arange(3, 20), torch.arange(17))])
+    step = lambda: Step(cache, torch.tensor([5, 9, 11, 2, 7]), torch.arange(17, 22))  # noqa: E731
+    shared = target.forward_batch([step()])[0]
+    cache.truncate(17)
+    with target.run_alone():
+        alone = target.forward_batch([step()])[0]
+    assert target._alone_session is not None and torch.equal(shared, alone)
+    cache.release()
+
+    outputs = {}
+    for alone in (True, False):
+        pipeline = Pipeline.load(engines=tiny_engines)
+        decoder = pipeline.schedulers[0].decoder
+        decoder.alone = decoder.policy.alone = alone
+        prompt = pipeline.encode("The with statement")
+        outputs[alone] = [pipeline.generate(prompt, DecodeOptions(mode=mode, num_draft_tokens=4, adapt_k=adapt,
+                                                                  max_tokens=40, eos_token_id=-1),
+                                            SamplingParams()).output_ids
+                          for mode, adapt in (("autoregressive", False), ("speculative", True), ("ssd", True))]
+        used = pipeline.target._alone_session is not None
+        pipeline.close()
+        assert used == alone
+    assert outputs[True] == outputs[False]
+
+
+def test_generate_says_what_the_policy_chose():
+    """The summary line of `generate.py`, from the generation's rounds: speculation off
+    (with its probes and the acceptance that did not pay), or the K it mostly chose."""
+    off = GenerationStats("ssd", 4)
+    for accepted, drafted, probe in [(0, 4, False), (1, 2, False)] + [(0, 0, False)] * 60 + [(0, 1, True)] * 2:
+        off.record_round(accepted, drafted, probe)
+    assert policy_summary(off.as_dict()) == ("load policy: K per round 0 in 94% of rounds (speculation off: "
+                                             "acceptance 0.12 does not pay for drafting at these costs); K > 0 in 4 "
+                                             f"rounds, probes every {PROBE_PERIOD} rounds (2 probed)")
+    on = GenerationStats("ssd", 4)
+    for accepted, drafted, prespeculated in [(3, 4, True)] * 9 + [(0, 2, False)]:
+        on.record_round(accepted, drafted, prespeculated=prespeculated)
+    assert policy_summary(on.as_dict()) == ("load policy: K=4 in 90% of rounds (mean K per round 3.80), with "
+                                            "pre-speculation in 90% of rounds; acceptance 0.71 per draft; no probe")

@@ -53,7 +53,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, defaults: DecodeOpti
         parser.add_argument("--no-prespeculate", action="store_true", help="ssd without pre-speculation")
         parser.add_argument("--fixed-k", action="store_true",
                             help="draft K tokens every round instead of letting the load policy choose "
-                                 "K (up to --num-draft-tokens) from measured costs and acceptance")
+                                 "K (up to --num-draft-tokens) from measured costs and acceptance; a sampled "
+                                 "request's --seed replays exactly with K fixed")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ reported as figures and ratios, never asserted (machines are noisy).
 Default: the engine-level costs at one context (target decode, verify of K+1 tokens,
 draft decode, tree steps), then each mode over the same prompts, every one generating
 exactly --max-tokens tokens: decode tokens/s (prefill apart), speed-up over
-autoregressive, acceptance, cache hit rate, the split of time between verifying,
+autoregressive, drafts verified per round (K/rnd), acceptance, cache hit rate, the split of time between verifying,
 drafting on the critical path and waiting; with checkpoints (or --assisted on engines
 whose checkpoints exist) also transformers' greedy and assisted generation.
 --engines-only: the engine-level latency suite (`engine_suite`). --placement: thread
@@ -95,7 +95,7 @@ def write_json(path: Path | None, figures: dict) -> None:
 def run_mode(pipeline, prompts, options, sampling) -> dict:
     """`prompts`: token ids of each prompt; totals over them."""
     keys = ("tokens", "total_s", "prefill_s", "verify_s", "draft_s", "wait_s", "rounds", "cache_hits", "cache_misses",
-            "drafted_tokens", "hit_drafted", "hit_accepted")
+            "drafted_tokens", "probe_rounds", "hit_drafted", "hit_accepted")
     totals = dict.fromkeys(keys, 0) | {"accepted": 0.0}
     for prompt in prompts:
         stats = pipeline.generate(prompt, options, sampling).stats
@@ -132,14 +132,14 @@ def mode_row(name: str, t: dict, baseline: float, prompts: int) -> str:
              f"{(t['accepted'] - t['hit_accepted']) / fresh:.2f}"
              if t["hit_drafted"] and fresh else "-")
     return (f"{name:24s} {speed:7.1f} {speed / baseline:6.2f} {1000 * t['prefill_s'] / prompts:10.1f} "
-            f"{t['accepted'] / t['rounds']:7.2f} {hit} {split:>9s} {t['verify_s']:8.2f} {t['draft_s']:8.2f} "
-            f"{t['wait_s']:7.2f}")
+            f"{t['drafted_tokens'] / t['rounds']:5.2f} {t['accepted'] / t['rounds']:7.2f} {hit} {split:>9s} "
+            f"{t['verify_s']:8.2f} {t['draft_s']:8.2f} {t['wait_s']:7.2f}")
 
 
 def transformers_row(name: str, timing, baseline: float, prompts: int) -> str:
     speed = timing.decode_tokens_per_s
     return (f"{name:24s} {speed:7.1f} {speed / baseline:6.2f} {1000 * timing.prefill_s / prompts:10.1f} "
-            f"{'-':>7s} {'-':>5s} {'-':>9s} {'-':>8s} {'-':>8s} {'-':>7s}")
+            f"{'-':>5s} {'-':>7s} {'-':>5s} {'-':>9s} {'-':>8s} {'-':>8s} {'-':>7s}")
 
 
 def checkpoints_for_assisted(args) -> tuple[Path, Path] | None:
@@ -176,11 +176,12 @@ def run_modes(args) -> dict:
     branches = DecodeOptions(num_draft_tokens=k, **branch_options).fanout_policy().max_branches
     figures = {"engine_costs": round_costs(args, pipeline, k, branches), "modes": {}}
 
-    sampling = SamplingParams(temperature=args.temperature, seed=0)  # every mode draws the same randomness
+    # every mode draws the same randomness (the load policy's row, choosing K, samples other tokens)
+    sampling = SamplingParams(temperature=args.temperature, seed=0)
     encode = pipeline.encode_chat if args.chat else pipeline.encode
     prompts = [encode(text) for text in (CHAT_PROMPTS if args.chat else PROMPTS)[: args.prompts]]
     print(f"{len(prompts)} prompts x {args.max_tokens} tokens; tok/s counts decoding, prefill is per prompt")
-    print(f"{'mode':24s} {'tok/s':>7s} {'vs AR':>6s} {'prefill ms':>10s} {'acc/rnd':>7s} {'hit%':>5s} "
+    print(f"{'mode':24s} {'tok/s':>7s} {'vs AR':>6s} {'prefill ms':>10s} {'K/rnd':>5s} {'acc/rnd':>7s} {'hit%':>5s} "
           f"{'pre/fresh':>9s} {'verify s':>8s} {'draft s':>8s} {'wait s':>7s}")
     baseline = None
     for name, options in mode_options(args, k, branch_options):

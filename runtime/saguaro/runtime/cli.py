@@ -19,6 +19,7 @@ from pathlib import Path
 
 from saguaro.runtime.arguments import (DECODE_DEFAULTS, add_decoding_arguments, add_sampling_arguments,
                                        decode_options, sampling_params)
+from saguaro.runtime.load_policy import PROBE_PERIOD
 from saguaro.runtime.pipeline import Pipeline
 
 DEFAULT_MODELS = Path("models/tiny")
@@ -55,7 +56,24 @@ def report(pipeline, generation) -> dict:
             "seed": generation.seed, "stats": stats}
 
 
-def print_human(result: dict, prompt: str, chat: bool, sampled: bool) -> None:
+def policy_summary(stats: dict) -> str:
+    """What the load policy chose over a generation's rounds: K per round, how often it
+    speculated and pre-speculated, and the acceptance its drafts showed."""
+    rounds, by_k, probes = max(stats["rounds"], 1), stats["rounds_by_k"], stats["probe_rounds"]
+    acceptance = f"acceptance {stats['verified_acceptance']:.2f}" if stats["drafted_tokens"] else "no acceptance yet"
+    probing = f"probes every {PROBE_PERIOD} rounds ({probes} probed)" if probes else "no probe"
+    if by_k[0] > rounds / 2:
+        drafted = rounds - by_k[0]
+        return (f"load policy: K per round 0 in {by_k[0] / rounds:.0%} of rounds (speculation off: {acceptance} "
+                f"does not pay for drafting at these costs); K > 0 in {drafted} rounds, {probing}")
+    usual = max(range(1, len(by_k)), key=lambda k: by_k[k])
+    prespeculated = stats["prespeculated_rounds"] / rounds
+    how = f"with pre-speculation in {prespeculated:.0%} of rounds" if prespeculated else "without pre-speculation"
+    return (f"load policy: K={usual} in {by_k[usual] / rounds:.0%} of rounds (mean K per round {stats['mean_k']:.2f}), "
+            f"{how}; {acceptance} per draft; {probing}")
+
+
+def print_human(result: dict, prompt: str, chat: bool, sampled: bool, adapts: bool) -> None:
     stats = result["stats"]
     if chat:
         print(f"user: {prompt}\nassistant: \033[1m{result['text']}\033[0m")
@@ -64,6 +82,8 @@ def print_human(result: dict, prompt: str, chat: bool, sampled: bool) -> None:
     replay = f", seed {result['seed']}" if sampled else ""
     print(f"\n[{stats['mode']}] {stats['tokens']} tokens in {stats['total_s']:.3f} s "
           f"({stats['tokens_per_s']:.1f} tok/s), {stats['rounds']} rounds, finish: {result['finish_reason']}{replay}")
+    if stats["num_draft_tokens"] and adapts:
+        print(policy_summary(stats))
     if stats["num_draft_tokens"]:
         print(f"acceptance {stats['acceptance_rate']:.2f} per token (mean accepted "
               f"{stats['mean_accepted']:.2f} of K={stats['num_draft_tokens']}), histogram "
@@ -99,7 +119,7 @@ def main(argv=None) -> int:
         print(json.dumps(results[0] if len(results) == 1 else results))
     else:
         for prompt, result in zip(args.prompts, results):
-            print_human(result, prompt, args.chat, sampled=not sampling.greedy)
+            print_human(result, prompt, args.chat, sampled=not sampling.greedy, adapts=options.adapt_k)
     return 0
 
 

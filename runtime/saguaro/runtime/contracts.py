@@ -21,8 +21,9 @@ The loops exchange small result records: a `Draft` (K proposed tokens), a `Verif
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import ContextManager, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -171,10 +172,15 @@ class Engine(Protocol):
 
 class OneSequenceForms:
     """`forward` and `verify` for one sequence, in terms of an engine's batched forms;
-    `forward_rows` for an engine that returns no hidden states."""
+    `forward_rows` for an engine that returns no hidden states; and `run_alone`: the
+    decoder's word that nothing of the other model's runs during the block, which an
+    engine that can may use to compute on more cores (no-op here)."""
 
     def forward_rows(self, steps: Sequence[Step]) -> list[Rows]:
         return [Rows(logits) for logits in self.forward_batch(steps)]
+
+    def run_alone(self) -> ContextManager[None]:
+        return nullcontext()
 
     def forward(self, cache: Cache, tokens: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:

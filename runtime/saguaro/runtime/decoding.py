@@ -9,12 +9,16 @@ sequence without pre-speculation is plain speculative decoding; with K = 0 it dr
 nothing and each round is one autoregressive step. Before each round the load policy
 chooses every sequence's K for the round (up to its request's) and the branches it may
 pre-speculate (`load_policy`). Sequences join and leave between rounds, and nothing a
-sequence computes depends on the others in its batch.
+sequence computes depends on the others in its batch. A round in which no sequence
+pre-speculates has nothing of the draft's running beside the verification (its drafts,
+if any, were made before it), so the target verifies alone, on the draft's core as well
+(`run_alone`).
 """
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
@@ -122,14 +126,16 @@ class Sequence:
 
     @property
     def adapts(self) -> bool:
-        """K follows the load policy: a greedy request that did not pin it. A sampled
-        request keeps its K (K changes which tokens a seed draws, and a seed must replay);
-        its pre-speculation still follows the policy (it changes no token)."""
-        return self.request.options.adapt_k and self.greedy
+        """K follows the load policy: a request that did not pin it, greedy or sampled. A
+        sampled request's output is distributed as the target's for every K, but K changes
+        which tokens a seed draws: its seed replays exactly when the same K are chosen, as
+        with K pinned (`adapt_k` off: `--fixed-k`, or a request that names its K)."""
+        return self.request.options.adapt_k
 
     @property
     def steered(self) -> bool:
-        """Its pre-speculation follows the load policy (on or off, how many branches)."""
+        """Its pre-speculation follows the load policy (on or off, how many branches): as
+        `adapts`, a request that lets the policy choose."""
         return self.request.options.adapt_k
 
     @property
@@ -145,6 +151,19 @@ class Sequence:
     def round_proposal(self) -> Draft:
         return self.proposal.prefix(self.round_draft_tokens)
 
+    def prepare(self, plan: Plan) -> None:
+        """Take the round's plan. A sequence that drafts this round and has no draft yet
+        (the last round drafted none, or its speculation missed) is left without a
+        proposal, for `Decoder.draft_misses`; one that drafts nothing gets the empty draft."""
+        self.plan = plan
+        if self.speculator is not None and (self.proposal is None or not len(self.proposal)):
+            self.proposal = None if plan.draft_tokens else self.empty
+
+    @property
+    def draft_lags(self) -> bool:
+        """Drafts nothing this round and its draft cache lacks committed tokens."""
+        return self.speculator is not None and not self.plan.draft_tokens and self.speculator.lag(self.out.ids) > 0
+
     @property
     def speculates(self) -> bool:
         """Pre-speculates this round: an ssd sequence with drafts to verify."""
@@ -159,10 +178,11 @@ class Sequence:
         (returns whether the lookup hit; None without one)."""
         drafted = self.round_proposal.tokens
         self.verifier.keep(self.out.ids, outcome)
-        self.stats.record_round(outcome.accepted, len(drafted), after_hit=self.after_hit)
+        self.stats.record_round(outcome.accepted, len(drafted), self.plan.probe, speculation is not None,
+                                self.after_hit)
         self.observe_features(len(self.out.ids) - 1, outcome.hidden)
         self.out.commit(drafted[:outcome.accepted].tolist() + [outcome.bonus], outcome.logprobs)
-        self.proposal = None if self.k and self.plan.draft_tokens else self.empty
+        self.proposal = None if self.speculator is not None else self.empty
         self.after_hit = False
         if self.done or speculation is None:
             return None
@@ -191,19 +211,23 @@ def finish(out: Output, stats: GenerationStats, started: float, seed: int | None
 class Decoder:
     """The target, the draft and the draft's worker thread; runs rounds over batches."""
 
-    def __init__(self, target, draft):
-        self.target, self.draft = target, draft
+    def __init__(self, target, draft, alone: bool = True):
+        """`alone` False: other decoders share the engines, so the target never runs alone."""
+        self.target, self.draft, self.alone = target, draft, alone
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="draft")
-        self.policy = LoadPolicy(target, draft)
+        self.policy = LoadPolicy(target, draft, alone)
 
     def close(self) -> None:
         self.worker.shutdown(wait=True)
 
     def start(self, requests: Seq[Request]) -> list[Sequence]:
-        """New sequences: the target prefills their prompts (one batched forward), the
-        draft drafts their first proposals (one batched forward per step)."""
+        """New sequences: the target prefills their prompts (one batched forward); the
+        draft drafts their first proposals in their first round, as the policy plans it."""
         if any(request.options.adapt_k for request in requests):
             self.policy.calibrate()
+        if self.alone:
+            with self.target.run_alone():
+                pass  # opens the target's wide session now, outside any request's time
         sequences = [Sequence(request, self.target, self.draft) for request in requests]
         prefilled = [(s, step) for s in sequences if (step := s.verifier.prefill(s.request.prompt_ids))]
         with stopwatch() as prefilling:
@@ -212,7 +236,6 @@ class Decoder:
             sequence.observe_features(0, prompt_rows.hidden)
         for sequence in sequences:
             sequence.stats.prefill_s += prefilling.seconds
-        self.draft_misses(sequences)
         return sequences
 
     def decode_round(self, batch: list[Sequence]) -> None:
@@ -225,15 +248,26 @@ class Decoder:
     def _round(self, batch: list[Sequence]) -> tuple[float, float, float]:
         """The round itself; returns its verify, wait and critical drafting seconds."""
         for sequence, plan in zip(batch, self.policy.choose(batch)):
-            sequence.plan = plan
+            sequence.prepare(plan)
+        drafting_s = self.draft_misses(batch)
         speculating = [s for s in batch if s.speculates]
         steps = [s.verification() for s in batch]  # before the worker starts: it competes for the GIL
+        tokens = sum(len(step.step.tokens) for step in steps)
+        alone = self.alone and not speculating and self.policy.runs_alone(tokens)
         pending = self.worker.submit(self.prespeculate, speculating)
-        with stopwatch() as verifying:
+        # the draft's core is free while a round without pre-speculation verifies on its own
+        # core: sequences that draft nothing bring their draft caches up to date meanwhile,
+        # so that a probe, or speculation coming back, has only the newest tokens to feed
+        lagging = [] if alone or speculating else [s for s in batch if s.draft_lags]
+        catching = lagging and self.worker.submit(lockstep, self.draft, [s.speculator.catch_up(s.out.ids)
+                                                                         for s in lagging])
+        with stopwatch() as verifying, self.target.run_alone() if alone else nullcontext():
             outcomes = self.target.verify_batch(steps)
-        self.policy.observe_verify(sum(len(step.step.tokens) for step in steps), verifying.seconds)
+        self.policy.observe_verify(tokens, verifying.seconds, alone)
         with stopwatch() as waiting:
             speculations = dict(zip(map(id, speculating), pending.result()))
+            if catching:
+                catching.result()
         for sequence, outcome in zip(batch, outcomes):
             sequence.stats.verify_s += verifying.seconds
             sequence.stats.wait_s += waiting.seconds
@@ -241,7 +275,6 @@ class Decoder:
             hit = sequence.commit(outcome, speculations.get(id(sequence)), verifying.seconds)
             if hit is not None:
                 self.policy.record_lookup(sequence.acceptance, sequence.greedy, hit)
-        drafting_s = self.draft_misses([s for s in batch if not s.done])
         return verifying.seconds, waiting.seconds, drafting_s
 
     def prespeculate(self, batch: list[Sequence]) -> list[SpeculationCache]:
@@ -260,16 +293,19 @@ class Decoder:
         return speculations
 
     def draft_misses(self, batch: list[Sequence]) -> float:
-        """Ordinary drafts, in the worker, for the sequences a round left without one
-        (returns the time it took)."""
+        """Ordinary drafts, in the worker, before the round's verification, for the
+        sequences that draft this round and have no draft (returns the time it took)."""
         needing = [s for s in batch if s.proposal is None]
         if not needing:
             return 0.0
+        # a draft that first feeds a prompt, or tokens it missed, is no measure of a step
+        steady = all(s.speculator.lag(s.out.ids) <= s.plan.draft_tokens + 1 for s in needing)
         with stopwatch() as drafting:
             drafts = self.worker.submit(lockstep, self.draft, [s.speculator.draft(s.out.ids, s.plan.draft_tokens)
                                                                for s in needing]).result()
         for sequence, draft in zip(needing, drafts):
             sequence.proposal = draft
             sequence.stats.draft_s += drafting.seconds
-        self.policy.observe_drafting(len(needing), max(len(draft) for draft in drafts), drafting.seconds)
+        if steady:
+            self.policy.observe_drafting(len(needing), max(len(draft) for draft in drafts), drafting.seconds)
         return drafting.seconds

@@ -13,9 +13,12 @@ The policy models a round from what the decoder measures as it runs:
                 (each a `CostCurve`: calibrated at a ladder of sizes, then following the rounds)
     host(n)     the rest of a round of n requests (host work): a + b n
 
+    alone(N)    verify(N) with nothing of the draft's beside it, on both cores (`run_alone`)
+
     E_r(K)    = 1 + sum_{i=1..K} alpha_1 ... alpha_i      (alpha_j: P(accept depth j | j-1 accepted))
-    T(K)      = verify(sum K_r + 1) + host(n) + max K_r * draft(requests that draft after the round)
+    T(K)      = verify(sum K_r + 1) + host(n) + max K_r * draft(requests that draft before the round)
                 + max(0, (max K_r + 1) * tree(branch rows) - verify)
+                (alone(...) for verify when no request pre-speculates)
 
 and picks the K of every request that maximises the batch's tokens per second,
 `sum E_r(K_r) / T(K)`: the best K shared by all first, then one pass that moves each
@@ -25,6 +28,16 @@ its overrun costs). K = 0 is autoregressive decoding. Nothing is a hand-set thre
 every figure is measured here, on this machine, while serving: the steps are timed whole,
 host work included, since on a small model the host's share is most of a step.
 
+Speculation never loses: a round without pre-speculation verifies alone, so K = 0 costs
+what autoregressive decoding costs on both cores, and when acceptance and costs say no K
+pays, every request that may draft gets K = 0. Its acceptance is then measured by a
+probe: one round in `PROBE_PERIOD` drafts `PROBE_DRAFTS` token(s), not pre-speculated (a
+draft step on the critical path and a verify one token wider, amortised over the
+period); a probe whose drafts were all accepted is followed by another, so that a draft
+that got better is seen within a few rounds, and speculation comes back as soon as the
+estimate says it pays. Rounds that verify no drafts fade no counts, so the estimate stays
+what the last drafts showed rather than drifting back to the optimistic prior.
+
 Acceptance by depth and the cache-hit rate are shared by every request of the same kind
 (greedy or sampled), so a new request starts from what the others showed, and are
 blended with the request's own counts as they come in. Costs start from a short
@@ -33,13 +46,14 @@ rounds after that, with old measurements fading. The pre-speculation budget is t
 number of branch rows a tree step can take while staying under the verification.
 
 Greedy output does not depend on K: on ONNX Runtime engines a token's logits are bit-
-identical at every verify width (`tests/test_row_independence.py`), on torch engines
-they may differ in the last bits, which flipped no token of 1000 prompts x 64 (see
-docs/exactness.md). A sampled request's output for a given seed does (it
-is distributed exactly as the target's for every K, but K changes which tokens a seed
-draws), so a sampled request keeps its K and samples exactly what it samples alone, for
-its seed, whatever the load; only its pre-speculation (on or off, how many branches)
-follows the policy, which changes no token. A request that names its K keeps it too.
+identical at every verify width (`tests/test_row_independence.py`) and on either
+session, on torch engines they may differ in the last bits, which flipped no token of
+1000 prompts x 64 (see docs/exactness.md). A sampled request's K follows the policy
+too: its output is distributed exactly as the target's for every K, but K changes which
+tokens a seed draws, so a seed replays exactly when the same K are chosen round by
+round, which the policy does not promise (they follow measured costs and the company).
+A request that pins its K (`adapt_k` off: `--fixed-k`, or a server request that names
+`num_draft_tokens`) keeps it, and its seed replays whatever the load.
 """
 from __future__ import annotations
 
@@ -55,11 +69,13 @@ CALIBRATION_CONTEXT = 64                # cached tokens behind them (at most hal
 FADING = 0.98                     # weight of older host-time measurements after each new one
 MOST_BRANCHES = 1 << 12           # per request: beyond any engine's built maximum
 FOLLOWING = 0.1                   # how far one measurement moves the cost curve toward itself
-SHARED_FADING = 0.995             # of the acceptance counts shared by all requests (per round)
+SHARED_FADING = 0.995             # of the acceptance counts shared by all requests (per round with drafts)
 PRIOR_WEIGHT = 8.0                # pseudo-rounds of the shared estimate in a request's own
 # Before anything was measured: optimistic about acceptance, so that the first rounds
-# draft and measure it (and so do later ones, once the shared counts have faded).
+# draft and measure it.
 UNSEEN_ACCEPTANCE, UNSEEN_HIT_RATE = 0.8, 0.5
+PROBE_PERIOD = 32   # rounds: with speculation off, a request drafts in one round of this many ...
+PROBE_DRAFTS = 1    # ... this many drafts, not pre-speculated, so that its acceptance stays measured
 
 
 class CostCurve:
@@ -78,6 +94,12 @@ class CostCurve:
     @property
     def known(self) -> bool:
         return bool(self.points)
+
+    @property
+    def shaped(self) -> bool:
+        """Measured at more than one size: a curve that autoregressive rounds alone have
+        measured (at one token) still needs its calibration to say what wider ones cost."""
+        return len(self.points) > 1
 
     def observe(self, size: float, seconds: float, lasting: bool = False) -> None:
         """`lasting`: a calibration point, taken as it is (the fastest of its repeats)."""
@@ -177,15 +199,21 @@ def calibrate(engine, cost: CostCurve, sizes=CALIBRATION_SIZES) -> None:
 @dataclass
 class Acceptance:
     """Counts of drafts verified and accepted at each depth 1..K, and of cache lookups;
-    with `fading` < 1 older rounds count less (shared counts follow the workload)."""
+    with `fading` < 1 older rounds count less (shared counts follow the workload). A round
+    that verified no drafts tells nothing and fades nothing: with speculation off the
+    estimate stays what the last drafts showed, until a probe measures it again."""
 
     verified: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     hits: float = 0.0
     lookups: float = 0.0
     fading: float = 1.0
+    last: tuple[int, int] = (0, 0)  # the last round's (verified, accepted)
 
     def record(self, verified: int, accepted: int) -> None:
+        self.last = (verified, accepted)
+        if not verified:
+            return
         if self.fading < 1:
             self.verified = [self.fading * v for v in self.verified]
             self.accepted = [self.fading * a for a in self.accepted]
@@ -228,19 +256,26 @@ class Plan:
     draft_tokens: int
     prespeculate: bool = True
     branches: int | None = None  # None: as many as the request's fan-out places
+    quiet: int = 0               # rounds in a row, this one included, that the policy had it draft nothing
+    probe: bool = False          # drafts only so that acceptance is measured (speculation is off)
 
 
 class LoadPolicy:
-    """One per decoder: the shared estimates and the choice of every round's K."""
+    """One per decoder: the shared estimates and the choice of every round's K. `alone`:
+    the decoder verifies a round without pre-speculation alone (`Decoder.alone`)."""
 
-    def __init__(self, target, draft):
+    def __init__(self, target, draft, alone: bool = True):
         self.verify_cost, self.draft_cost, self.tree_cost = CostCurve(), CostCurve(), CostCurve()
+        self.alone_cost = CostCurve()  # verify(N) with nothing of the draft's beside it (`run_alone`)
+        self.alone = alone
+        self._unspeculated_rounds = 0  # rounds asked `runs_alone`
         self.host_cost = LinearCost()
         self.shared = {greedy: Acceptance(fading=SHARED_FADING) for greedy in (True, False)}
         self._engines = (target, draft)
 
-    def observe_verify(self, tokens: int, seconds: float) -> None:
-        self.verify_cost.observe(tokens, seconds)
+    def observe_verify(self, tokens: int, seconds: float, alone: bool = False) -> None:
+        """`alone`: the target ran alone (no pre-speculation beside it): its own curve."""
+        (self.alone_cost if alone else self.verify_cost).observe(tokens, seconds)
 
     def observe_drafting(self, requests: int, steps: int, seconds: float) -> None:
         if steps:
@@ -267,23 +302,43 @@ class LoadPolicy:
         """Costs to start from; the decoder calls it before the first requests the policy
         steers take their KV slots (calibrating needs one of each engine's)."""
         target, draft = self._engines
-        if not self.verify_cost.known:
+        if not self.verify_cost.shaped:
             calibrate(target, self.verify_cost)
-        if not self.draft_cost.known:
+        if self.alone and not self.alone_cost.shaped:
+            with target.run_alone():
+                calibrate(target, self.alone_cost)
+        if not self.draft_cost.shaped:
             calibrate(draft, self.draft_cost)
             self.tree_cost = CostCurve(self.draft_cost.points)
 
     def choose(self, batch) -> list[Plan]:
         """The plan of each `batch` entry (a `decoding.Sequence`: its `k`, `adapts`,
-        `steered`, `acceptance`, `greedy`, `prespeculating` and `room`)."""
+        `steered`, `acceptance`, `greedy`, `prespeculating`, `room` and last `plan`)."""
         if not any(sequence.adapts or sequence.steered for sequence in batch):
             return [Plan(most_drafts(s), s.prespeculating) for s in batch]  # as each asked
         candidates = [self._candidate(sequence) for sequence in batch]
         choices = [self._best(candidates, speculating) for speculating in self._speculation_choices(candidates)]
         candidates, ks = max(choices, key=lambda choice: self._rate(*choice))
         branches = self._branch_rows(candidates, ks)
-        return [Plan(k, c.prespeculating, branches if c.steered and c.prespeculating and k else None)
-                for c, k in zip(candidates, ks)]
+        plans = [Plan(k, c.prespeculating, branches if c.steered and c.prespeculating and k else None)
+                 for c, k in zip(candidates, ks)]
+        return [self._probed(plan, sequence, candidate) for plan, sequence, candidate in zip(plans, batch, candidates)]
+
+    @staticmethod
+    def _probed(plan: Plan, sequence, candidate: "_Candidate") -> Plan:
+        """With speculation off (K = 0 chosen for a request that may draft), the plan of a
+        probe every `PROBE_PERIOD` rounds: `PROBE_DRAFTS` drafts, not pre-speculated, so
+        that the request's acceptance is measured again and speculation comes back once it
+        pays. A probe whose drafts were all accepted is followed by another, so that a draft
+        that got better is measured in a few rounds rather than a few periods; one that
+        keeps being rejected costs a draft step and a slightly wider verify per period."""
+        if plan.draft_tokens or not (candidate.adapts and candidate.most):
+            return plan
+        verified, accepted = sequence.acceptance.last
+        confirmed = sequence.plan.probe and verified and accepted == verified
+        if confirmed or sequence.plan.quiet + 1 >= PROBE_PERIOD:
+            return Plan(min(PROBE_DRAFTS, candidate.most), prespeculate=False, probe=True)
+        return replace(plan, quiet=sequence.plan.quiet + 1)
 
     @staticmethod
     def _speculation_choices(candidates) -> list[bool]:
@@ -308,19 +363,41 @@ class LoadPolicy:
         return _Candidate(most, sequence.adapts, sequence.steered, reach, hit, sequence.prespeculating)
 
     def _round_seconds(self, candidates, ks) -> float:
-        verify = self.verify_cost(sum(k + 1 for k in ks))
-        host = self.host_cost(len(candidates))
+        """T(K). Without pre-speculation nothing of the draft's overlaps the verification,
+        so the target verifies alone, on both cores (`alone_cost`)."""
         drafting = [(c, k) for c, k in zip(candidates, ks) if k]
+        speculating = [k for c, k in drafting if c.prespeculating]
+        verify = self._verify_seconds(sum(k + 1 for k in ks), alone=not speculating)
+        host = self.host_cost(len(candidates))
         if not drafting:
             return verify + host
         misses = sum(1 - c.hit for c, _ in drafting)
         critical = max(k for _, k in drafting) * self.draft_cost(misses) if misses > 1e-6 else 0.0
-        speculating = [k for c, k in drafting if c.prespeculating]
         overrun = 0.0
         if speculating:
             rows = len(speculating) * (max(speculating) + 1)  # at least one branch per depth and request
             overrun = max(0.0, (max(speculating) + 1) * self.tree_cost(rows) - verify)
         return verify + host + critical + overrun
+
+    def _verify_seconds(self, tokens: int, alone: bool) -> float:
+        """A verification of `tokens`; `alone`: with nothing of the draft's beside it, on
+        the faster of the two sessions."""
+        if alone and self.alone and self.alone_cost.known:
+            return min(self.alone_cost(tokens), self.verify_cost(tokens) if self.verify_cost.known else float("inf"))
+        return self.verify_cost(tokens)
+
+    def runs_alone(self, tokens: int) -> bool:
+        """Whether a round of `tokens` without pre-speculation verifies on the wide session:
+        unless the curves say it is the slower (on a busy machine two threads wait for each
+        other). Once a period the other session runs instead, so both curves stay measured."""
+        if not self.alone:
+            return False
+        self._unspeculated_rounds += 1
+        other = self._unspeculated_rounds % PROBE_PERIOD == 0
+        if not (self.alone_cost.known and self.verify_cost.known):  # not calibrated: measured as it runs
+            return not other
+        faster = self.alone_cost(tokens) <= self.verify_cost(tokens)
+        return faster != other
 
     def _rate(self, candidates, ks) -> float:
         tokens = sum(c.expected_tokens(k) for c, k in zip(candidates, ks))

@@ -29,7 +29,11 @@ class DecodeOptions:
     prespeculate: bool = True                 # ssd only; off reduces ssd to speculative
     adapt_k: bool = False                     # True: K per round from the load policy, up
                                               # to num_draft_tokens (load_policy); the
-                                              # command lines and the server turn it on
+                                              # command lines and the server turn it on.
+                                              # Sampled output follows the target's law
+                                              # for every K, but a seed replays exactly
+                                              # only when the same K are chosen: pin K
+                                              # (False, --fixed-k) for exact replay
     max_tokens: int = 64
     eos_token_id: int | None = None           # None: the model's; -1: never stop early
 

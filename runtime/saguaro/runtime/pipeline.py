@@ -65,7 +65,9 @@ class Pipeline:
         if self.batching == "iteration":
             self.schedulers = [Scheduler(Decoder(self.target, self.draft), concurrency)]
         else:
-            self.schedulers = [Scheduler(Decoder(self.target, self.draft), 1) for _ in range(concurrency)]
+            # several decoders on the same engines: the target never has the draft's core to itself
+            self.schedulers = [Scheduler(Decoder(self.target, self.draft, alone=concurrency == 1), 1)
+                               for _ in range(concurrency)]
 
     @property
     def max_active(self) -> int:

@@ -129,6 +129,16 @@ class Speculator:
         self.features.exact = len(ids)
         return rows
 
+    def lag(self, ids: list[int]) -> int:
+        """Committed tokens the cache lacks (at most K + 1 after an ordinary round)."""
+        return len(ids) - len(self.cached)
+
+    def catch_up(self, ids: list[int]) -> Forwards:
+        """Feed the committed tokens the cache lacks, so that the next draft has only the
+        newest to feed (a sequence that drafted nothing for a while)."""
+        if self.lag(ids) > 0:
+            yield from self._sync(ids)
+
     def draft(self, ids: list[int], k: int) -> Forwards:
         """Ordinary drafting: k tokens from `ids`, one forward each (the last not fed); a
         feature draft feeds each token with its own feature of the row before."""

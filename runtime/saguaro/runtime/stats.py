@@ -14,6 +14,9 @@ class GenerationStats:
     rounds: int = 0
     drafted_tokens: int = 0  # drafts verified, over all rounds (the load policy may vary K per round)
     accepted_histogram: list[int] = field(default_factory=list)  # index a: rounds that accepted a drafts
+    rounds_by_k: list[int] = field(default_factory=list)  # index k: rounds that verified k drafts
+    probe_rounds: int = 0          # rounds that drafted only to measure acceptance (the policy had speculation off)
+    prespeculated_rounds: int = 0  # rounds that pre-speculated their outcomes
     cache_hits: int = 0
     cache_misses: int = 0
     branches_drafted: int = 0
@@ -31,14 +34,24 @@ class GenerationStats:
     def __post_init__(self):
         if not self.accepted_histogram:
             self.accepted_histogram = [0] * (self.num_draft_tokens + 1)
+        if not self.rounds_by_k:
+            self.rounds_by_k = [0] * (self.num_draft_tokens + 1)
 
-    def record_round(self, accepted: int, drafted: int = 0, after_hit: bool = False) -> None:
+    def record_round(self, accepted: int, drafted: int | None = None, probe: bool = False,
+                     prespeculated: bool = False, after_hit: bool = False) -> None:
+        """`drafted`: the drafts the round verified (None: not known, as for a target that
+        drafts itself); `prespeculated`: the round pre-speculated its outcomes; `after_hit`:
+        its drafts are the branch a hit adopted."""
         self.rounds += 1
-        self.drafted_tokens += drafted
         self.accepted_histogram[accepted] += 1
+        if drafted is not None:
+            self.drafted_tokens += drafted
+            self.rounds_by_k[drafted] += 1
+        self.probe_rounds += probe
+        self.prespeculated_rounds += prespeculated
         if after_hit:
             self.hit_rounds += 1
-            self.hit_drafted += drafted
+            self.hit_drafted += drafted or 0
             self.hit_accepted += accepted
 
     @property
@@ -53,6 +66,17 @@ class GenerationStats:
     def acceptance_rate(self) -> float:
         """Accepted drafts per drafted token (0 for autoregressive decoding)."""
         return self.mean_accepted / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def verified_acceptance(self) -> float:
+        """Accepted drafts per draft verified: with K varying per round, the acceptance the
+        rounds showed (0 when none verified a draft)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_k(self) -> float:
+        """Drafts verified per round."""
+        return self.drafted_tokens / max(self.rounds, 1)
 
     @property
     def prespeculated_acceptance(self) -> float:
@@ -79,8 +103,8 @@ class GenerationStats:
         return self.draft_s + self.wait_s
 
     def as_dict(self) -> dict:
-        derived = ("mean_accepted", "acceptance_rate", "cache_hit_rate", "tokens_per_s",
-                   "target_waited_for_draft_s", "prespeculated_acceptance", "fresh_acceptance")
+        derived = ("mean_accepted", "acceptance_rate", "verified_acceptance", "mean_k", "cache_hit_rate",
+                   "tokens_per_s", "target_waited_for_draft_s", "prespeculated_acceptance", "fresh_acceptance")
         return {**asdict(self), **{name: getattr(self, name) for name in derived}}
 
 

@@ -16,13 +16,19 @@ round's committed positions in `VerifyResult.hidden`); the draft
 target's features into the head's inputs.
 
 `SessionSettings` and `session_options` say how every session runs (threads, pinning,
-spinning); the build uses the same options when it lets ONNX Runtime check a graph.
+spinning); the build uses the same options when it lets ONNX Runtime check a graph. The
+engines run one thread each so that the draft and the target compute at once, each on
+its own core; for a round in which nothing of the draft's runs beside the target,
+`run_alone` runs the model on a second session of the same graph with `ALONE_THREADS`
+threads, opened at its first use, so that the idle core joins in.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -35,6 +41,8 @@ from saguaro.runtime.engines.batching import PackedBatch, pack_steps
 from saguaro.runtime.engines.manifest import engine_info, is_feature_draft
 from saguaro.runtime.kv_cache import KVPool, PooledCache
 from saguaro.runtime.logprobs import verify_result
+
+ALONE_THREADS = 2  # intra-op threads of a model running with the other model idle: both cores
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,14 @@ def open_session(path: Path, settings: SessionSettings) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), session_options(settings), providers=["CPUExecutionProvider"])
 
 
+def alone_settings(settings: SessionSettings) -> SessionSettings | None:
+    """The settings of a model running with the other model idle; None when the engine's
+    own already use as many threads (nothing to gain from a second session)."""
+    if settings.threads >= ALONE_THREADS:
+        return None
+    return replace(settings, threads=ALONE_THREADS, pin_cores=None)
+
+
 def bind_array(binding: ort.IOBinding, name: str, array: np.ndarray, output: bool = False) -> None:
     bind = binding.bind_output if output else binding.bind_input
     bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
@@ -102,8 +118,10 @@ class OnnxRuntimeEngine(OneSequenceForms):
     hidden_output = "hidden_states"  # the model graph's output that rows carry as `Rows.hidden`, if it has it
 
     def __init__(self, sessions: dict[str, ort.InferenceSession], info: EngineInfo, tokenizer, shape: dict,
-                 slot_capacity: int):
+                 slot_capacity: int, open_alone: Callable[[], ort.InferenceSession] | None = None):
         self.sessions, self.info, self.tokenizer, self.limits = sessions, info, tokenizer, info.limits
+        self._open_alone, self._alone_session = open_alone, None  # the wide session, opened at first use
+        self._running = threading.local()  # .alone: this thread's forwards use the wide session
         self.layers, self.vocab_size = shape["num_layers"], shape["vocab_size"]
         self.pool = KVPool(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
                            self.limits.max_batch, slot_capacity)
@@ -112,6 +130,23 @@ class OnnxRuntimeEngine(OneSequenceForms):
 
     def new_cache(self, capacity: int) -> PooledCache:
         return self.pool.allocate(capacity)
+
+    @contextmanager
+    def run_alone(self) -> Iterator[None]:
+        """The block's forwards (in this thread) run on the model's wide session: the
+        caller promises that nothing of the other model's runs meanwhile. The same graph
+        and weights, so the same logits (`tests/test_load_policy.py` checks the tokens);
+        a no-op when the engine has no wide session."""
+        if self._open_alone is None:
+            yield
+            return
+        if self._alone_session is None:
+            self._alone_session = self._open_alone()
+        before, self._running.alone = getattr(self._running, "alone", False), True
+        try:
+            yield
+        finally:
+            self._running.alone = before
 
     def forward_batch(self, steps: Sequence[Step]) -> list[torch.Tensor]:
         return [rows.logits for rows in self.forward_rows(steps)]
@@ -130,7 +165,7 @@ class OnnxRuntimeEngine(OneSequenceForms):
         return {}
 
     def _run_model(self, packed: PackedBatch, extra: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
-        session = self.sessions["model"]
+        session = self._alone_session if getattr(self._running, "alone", False) else self.sessions["model"]
         binding = session.io_binding()
         inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
                   "seqlens_k": packed.seqlens_k, "query_seqlens": packed.query_seqlens,
@@ -236,6 +271,10 @@ def open_engine(engine_dir: Path, role: str, manifest: dict, tokenizer, threads:
     settings = settings or SessionSettings.from_manifest(manifest, threads)
     sessions = {kind: open_session(engine_dir / files["engine"], settings)
                 for kind, files in model["graphs"].items()}
-    engine = OnnxRuntimeFeatureDraft if is_feature_draft(model) else OnnxRuntimeEngine
-    return engine(sessions, engine_info("onnxruntime", engine_dir, role, manifest), tokenizer, model["shape"],
-                  slot_capacity(role, manifest))
+    wide = alone_settings(settings)
+    model_path = engine_dir / model["graphs"]["model"]["engine"]
+    open_alone = None if wide is None else (lambda: open_session(model_path, wide))
+    info = engine_info("onnxruntime", engine_dir, role, manifest)
+    if is_feature_draft(model):
+        return OnnxRuntimeFeatureDraft(sessions, info, tokenizer, model["shape"], slot_capacity(role, manifest))
+    return OnnxRuntimeEngine(sessions, info, tokenizer, model["shape"], slot_capacity(role, manifest), open_alone)

@@ -127,7 +127,7 @@ class RequestDrafts:
             if outcome is None:
                 draft = self.rounds.draft(ids)
             else:
-                self.stats.record_round(outcome.accepted)
+                self.stats.record_round(outcome.accepted, len(self.proposal))
                 draft = self.rounds.next_draft(ids, self.proposal, outcome, verify_s)
         self.ids, self.proposal = ids, draft
         self.rounds.prespeculate(ids, draft)
