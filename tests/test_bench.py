@@ -22,9 +22,10 @@ def test_bench_reports_engine_costs_and_all_modes_side_by_side(tiny_engines, tmp
     names = ("autoregressive", "speculative K=3", "ssd K=3", "ssd load policy")
     rows = {name: line.split() for line in out.splitlines() for name in names if line.startswith(name)}
     assert set(rows) == set(names), out
-    assert rows["autoregressive"][-8] == "1.00"  # the baseline of the "vs AR" column
-    assert rows["autoregressive"][-6] == "0.00"  # K per round
-    assert rows["ssd K=3"][-4] != "-"             # ssd (K fixed) reports a cache hit rate
+    assert rows["autoregressive"][-9] == "1.00"  # the baseline of the "vs AR" column
+    assert rows["autoregressive"][-7] == "0.00"  # K per round
+    assert rows["ssd K=3"][-5] != "-"             # ssd (K fixed) reports a cache hit rate
+    assert re.fullmatch(r"\d\.\d\d/\d\.\d\d", rows["ssd K=3"][-4])  # pre-speculated / fresh acceptance
     modes = json.loads(figures.read_text())["modes"]
     assert [m["tokens"] for m in modes.values()] == [2 * 16] * 4  # every mode generates exactly max tokens
     assert any(name.startswith("ssd load policy") for name in modes)  # K chosen per round, side by side

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from saguaro.runtime.cli import policy_summary
-from saguaro.runtime.contracts import Step
+from saguaro.runtime.contracts import Rows, Step
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.torch_engine import TorchEngine
 from saguaro.runtime.load_policy import PROBE_DRAFTS, PROBE_PERIOD, Acceptance, CostCurve, LinearCost, LoadPolicy, Plan
@@ -228,9 +228,12 @@ class Disagreeing:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
+    def forward_rows(self, steps) -> list[Rows]:
+        rows = self.engine.forward_rows(steps)
+        return [Rows(self._disagreeing(r.logits), r.hidden) for r in rows] if self.disagrees else rows
+
     def forward_batch(self, steps):
-        rows = self.engine.forward_batch(steps)
-        return [self._disagreeing(logits) for logits in rows] if self.disagrees else rows
+        return [rows.logits for rows in self.forward_rows(steps)]
 
     def _disagreeing(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.clone()

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from saguaro.runtime.checkpoint import CheckpointError, llama_shape
 from saguaro.runtime.llama import MLP, UNSCORED, LlamaShape, RMSNorm, apply_rope, attend, rope_cos_sin, \
     rope_inverse_frequencies
 
@@ -303,9 +304,6 @@ def load_feature_head(path: str | Path, target_shape: LlamaShape, embed_tokens: 
 
 
 def head_shape(config: dict, target: LlamaShape, where: str) -> FeatureHeadShape:
-    # imported here, not at the top: the checkpoint loader may come to import this module
-    from saguaro.runtime.checkpoint import CheckpointError, llama_shape
-
     try:
         layer = llama_shape({**config, "model_type": "llama"}, where)
     except (CheckpointError, KeyError) as error:

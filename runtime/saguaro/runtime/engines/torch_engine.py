@@ -13,6 +13,7 @@ from saguaro.plugins.fused_verify.reference import fused_verify
 from saguaro.runtime.checkpoint import load_checkpoint, tokenizer_fingerprint
 from saguaro.runtime.contracts import EngineInfo, EngineLimits, OneSequenceForms, Rows, Step, VerifyResult, VerifyStep
 from saguaro.runtime.engines.batching import pack_steps
+from saguaro.runtime.feature_head import is_feature_head, load_feature_head
 from saguaro.runtime.kv_cache import KVPool, PooledCache
 from saguaro.runtime.logprobs import verify_result
 
@@ -87,8 +88,6 @@ class TorchEngine(OneSequenceForms):
 
 def torch_draft(draft_dir: str | Path, target: TorchEngine):
     """The draft in `draft_dir` for `target`: a feature draft (an EAGLE-3 head) or a checkpoint."""
-    from saguaro.runtime.feature_head import is_feature_head
-
     return TorchFeatureDraft(draft_dir, target) if is_feature_head(draft_dir) else TorchEngine(draft_dir)
 
 
@@ -99,8 +98,6 @@ class TorchFeatureDraft(OneSequenceForms):
     (`project`), or its own predictions."""
 
     def __init__(self, head_dir: str | Path, target: TorchEngine):
-        from saguaro.runtime.feature_head import load_feature_head
-
         self.head = load_feature_head(head_dir, target.model.shape, target.model.model.embed_tokens.weight)
         target.return_features(self.head.shape.feature_layers)
         self.tokenizer = target.tokenizer
