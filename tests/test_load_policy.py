@@ -297,6 +297,25 @@ def test_a_draft_that_never_agrees_is_switched_off_and_probed(tiny_pair, tiny_re
     assert sum(stats.rounds_by_k) == stats.rounds == len(plans)
 
 
+def test_with_speculation_off_the_draft_catches_up_while_the_target_verifies_on_its_own_core(tiny_pair,
+                                                                                            tiny_reference):
+    """Rounds that do not run alone leave the draft's core free: a request that drafts
+    nothing keeps its draft cache within the last round's token of the output, so a probe
+    feeds one or two tokens, not the whole stretch."""
+    target, prompt, expected, never = tiny_reference
+    pipeline = with_costs_by_hand(Pipeline(target, Disagreeing(TorchEngine(tiny_pair / "draft"), never)))
+    decoder = pipeline.schedulers[0].decoder
+    decoder.alone = decoder.policy.alone = False
+    lags = []
+    pipeline.observe_rounds(lambda batch: lags.append((batch[0].plan.draft_tokens,
+                                                       batch[0].speculator.lag(batch[0].out.ids))))
+    options = DecodeOptions(mode="ssd", num_draft_tokens=4, adapt_k=True, max_tokens=120, eos_token_id=-1)
+    assert pipeline.generate(prompt, options, SamplingParams()).output_ids == expected[:120]
+    pipeline.close()
+    quiet = [lag for (k, lag), (before, _) in zip(lags[1:], lags) if not k and not before]
+    assert len(quiet) > PROBE_PERIOD and max(quiet) <= 2
+
+
 def test_a_sampled_requests_k_follows_the_policy_too(tiny_pair, tiny_reference):
     """A sampled request that lets the policy choose gets K = 0 for a draft that never
     agrees (most rounds, and probes), where it used to keep its K; one that pins K keeps it."""
