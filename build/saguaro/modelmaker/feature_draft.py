@@ -69,10 +69,9 @@ class FeatureDraftSettings:
 
 
 PRESETS = {
-    # The target answering 768 prompts x 128 tokens in bf16 batches of 32 (about 12 minutes
-    # at 140 tokens/s), then 300 steps of 4 answers x 3 unrolled steps (about 3 s a step on
-    # 2 free cores, 16 s for 8 answers on cores shared with a test suite): an estimate
-    # for 30 minutes, not yet a measured run (docs/drafts.md).
+    # The target answering 768 prompts x 128 tokens in bf16 batches of 32, then 300 steps
+    # of 4 answers x 3 unrolled steps: 9.6 minutes on 2 idle cores (7.7 answering at about
+    # 190 tokens/s, 1.8 training), 2-4 times that on busy ones (docs/drafts.md).
     "full": FeatureDraftSettings(),
     # The quickstart's: under 3 minutes on 2 cores shared with other work; a weak head.
     "quick": FeatureDraftSettings(draft_vocab_size=4096, train_prompts=64, held_out_prompts=16, new_tokens=32,
