@@ -50,10 +50,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
-from saguaro.runtime.checkpoint import CheckpointError, llama_shape
+from saguaro.runtime.checkpoint import CheckpointError, llama_shape, read_state_dict
 from saguaro.runtime.llama import MLP, UNSCORED, LlamaShape, RMSNorm, apply_rope, attend, rope_cos_sin, \
     rope_inverse_frequencies
 
@@ -293,7 +293,7 @@ def load_feature_head(path: str | Path, target_shape: LlamaShape, embed_tokens: 
                          f"Eagle3 architecture and has no eagle_config)")
     config = json.loads((path / "config.json").read_text())
     shape = head_shape(config, target_shape, str(path))
-    state = read_weights(path)
+    state = read_state_dict(path)  # a CheckpointError (a ValueError) names a folder without weights
     own_embeddings = state.pop(EMBEDDING_KEY, None)
     embeddings = embedding_table(own_embeddings, shape, target_shape, embed_tokens, str(path))
     head = FeatureHead(shape, embeddings)
@@ -344,16 +344,6 @@ def check_fits(shape: FeatureHeadShape, target: LlamaShape, where: str) -> None:
                          f"those layers) include {outside}, outside the target's 0..{target.num_layers}")
     if not 0 < shape.draft_vocab_size <= shape.vocab_size:
         raise ValueError(f"{where}: draft_vocab_size {shape.draft_vocab_size} is not within 1..{shape.vocab_size}")
-
-
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{str(path)!r} has no *.safetensors weights")
-    state = {}
-    for file in files:
-        state.update(load_file(str(file)))
-    return state
 
 
 def embedding_table(own: torch.Tensor | None, shape: FeatureHeadShape, target: LlamaShape,
