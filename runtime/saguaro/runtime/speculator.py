@@ -120,13 +120,13 @@ class Speculator:
             if cached != wanted:
                 break
             shared += 1
-        if self.features is None:
-            self._keep(shared)
-            return (yield from self._feed(ids[shared:], shared))
-        self._keep(min(shared, self.features.exact))
-        start = len(self.cached)
-        rows = yield from self._feed(ids[start:], start, self.features.before(start, len(ids) - start))
-        self.features.exact = len(ids)
+        if self.features is not None:
+            shared = min(shared, self.features.exact)
+        self._keep(shared)
+        hidden = None if self.features is None else self.features.before(shared, len(ids) - shared)
+        rows = yield from self._feed(ids[shared:], shared, hidden)
+        if self.features is not None:
+            self.features.exact = len(ids)
         return rows
 
     def lag(self, ids: list[int]) -> int:
