@@ -1,7 +1,7 @@
 """The decoding loop: rounds of speculative decoding over a batch of sequences, with the
 draft pre-speculating every sequence's likely outcomes while the target verifies.
 
-`Decoder.decode_round` is the whole algorithm (DESIGN.md section 1), for every active
+`Decoder.decode_round` is the whole algorithm (docs/design.md section 1), for every active
 sequence at once: the draft worker (a thread of its own, on its own core) pre-speculates
 while the target verifies every sequence's `[last, d_1..d_K]` in one batched forward; on
 a hit the next draft is ready, the misses are drafted together the ordinary way. A
@@ -20,7 +20,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, Sequence as Seq
+from typing import Callable
+from typing import Sequence as Seq
 
 from saguaro.runtime.contracts import Draft, SpeculationCache, VerifyResult, VerifyStep, draft_cache_capacity
 from saguaro.runtime.load_policy import Acceptance, LoadPolicy, Plan
@@ -239,7 +240,7 @@ class Decoder:
         return sequences
 
     def decode_round(self, batch: list[Sequence]) -> None:
-        """One round for every sequence of the batch (DESIGN.md section 1), timed for the
+        """One round for every sequence of the batch (docs/design.md section 1), timed for the
         load policy: what the forwards and waits leave over is the round's host work."""
         with stopwatch() as whole:
             verify_s, wait_s, draft_s = self._round(batch)

@@ -24,7 +24,7 @@ get TensorRT-LLM's rejection sampling when the drafter passes draft logits, whic
 only where TensorRT-LLM recomputes exactly the q the drafts were sampled from (no top-k,
 no top-p: it passes T * log q, and TensorRT-LLM takes softmax(logits / T)); elsewhere they
 fall back to exact match against the target's own samples, which keeps the target's
-distribution but accepts less. The README's TensorRT-LLM section has the rest.
+distribution but accepts less. docs/gpu.md has the rest.
 
 `tensorrt_llm` is imported only when a target starts (GPU machines), through
 `tensorrt_llm_api`, the one place that knows how the admitted versions differ; everything
