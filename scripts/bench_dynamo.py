@@ -1,4 +1,5 @@
-"""Per-worker throughput behind Dynamo's frontend at several stream counts, and the projection to N workers (the code lives in `saguaro.serving.dynamo_bench`)."""
+"""Per-worker throughput behind Dynamo's frontend at several stream counts, and the projection
+to N workers (the code lives in `saguaro.serving.dynamo_bench`)."""
 import sys
 
 from saguaro.serving.dynamo_bench import main

@@ -1,4 +1,5 @@
-"""Generate text with a draft/target pair: autoregressive, speculative or SSD decoding (the code lives in `saguaro.runtime.cli`)."""
+"""Generate text with a draft/target pair: autoregressive, speculative or SSD decoding
+(the code lives in `saguaro.runtime.cli`)."""
 import sys
 
 from saguaro.runtime.cli import main

@@ -5,9 +5,9 @@ import json
 
 import pytest
 import torch
+from checkpoints import make_architecture_checkpoint
 from transformers import AutoModelForCausalLM
 
-from checkpoints import make_architecture_checkpoint
 from saguaro.compiler.builder import build_engines
 from saguaro.compiler.config import BuildConfig, ConfigError
 from saguaro.runtime.checkpoint import CheckpointError, load_checkpoint

@@ -7,8 +7,8 @@ import dataclasses
 import threading
 
 import pytest
-
 from checkpoints import build_small_engines
+
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.runtime.sampling import SamplingParams

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from checkpoints import make_checkpoint
+
 from saguaro.compiler import cli as build_engines_cli
 from saguaro.compiler.builder import build_engines
 from saguaro.compiler.config import BuildConfig, ConfigError, config_from_dict, merge_overrides, resolve_config

@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 import torch
-
 from checkpoints import build_small_engines
+
 from saguaro.runtime.contracts import causal_mask
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.calibration import BranchCalibration

@@ -1,9 +1,9 @@
 """Any local Hugging Face Llama checkpoint runs on the torch engine with Hugging Face's logits."""
 import pytest
 import torch
+from checkpoints import make_checkpoint
 from transformers import AutoModelForCausalLM
 
-from checkpoints import make_checkpoint
 from saguaro.runtime.engines.torch_engine import TorchEngine
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

@@ -5,13 +5,12 @@ import json
 
 import pytest
 import torch
+from checkpoints import build_engines_cli
 from transformers import AutoModelForCausalLM
 
-from checkpoints import build_engines_cli
-from saguaro.modelmaker.draft_for import (PRESETS, REPORT_FILE, kept_layers, make_draft_for, output_vocabulary,
-                                          target_generations)
-from saguaro.modelmaker.draft_training import Sequence
+from saguaro.modelmaker.draft_for import PRESETS, REPORT_FILE, kept_layers, make_draft_for, output_vocabulary, target_generations
 from saguaro.modelmaker.draft_prompts import prompt_set
+from saguaro.modelmaker.draft_training import Sequence
 from saguaro.modelmaker.train import TrainSettings
 from saguaro.runtime.checkpoint import load_tokenizer
 from saguaro.runtime.llama import UNSCORED

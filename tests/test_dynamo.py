@@ -139,9 +139,9 @@ def test_the_dynamo_extra_and_the_install_script_give_ai_dynamo_everything_it_de
     """What scripts/install_dynamo.sh installed (the `dynamo` extra, then ai-dynamo with
     --no-deps) covers ai-dynamo's own dependency list, less the placeholder package."""
     import importlib.metadata
-    import tomllib
     from pathlib import Path
 
+    import tomllib
     from packaging.requirements import Requirement
 
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]

@@ -15,6 +15,7 @@ import json
 import onnx
 import pytest
 import torch
+from checkpoints import build_engines_cli, random_head
 
 from saguaro.compiler import fused_export
 from saguaro.compiler.builder import build_engines
@@ -28,8 +29,6 @@ from saguaro.runtime.llama import UNSCORED
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.runtime.sampling import SamplingParams
-
-from checkpoints import build_engines_cli, random_head
 
 ATOL = 1e-4
 K = 4
@@ -133,6 +132,7 @@ def test_the_head_graph_computes_the_heads_forward(engines, references):
     steps = [(PROMPT, 0, hidden)]
     for step in range(3):
         steps.append(([4 + step], len(PROMPT) + step, None))
+    previous = hidden
     for tokens, start, fed in steps:
         positions = torch.arange(start, start + len(tokens))
         fed_ort = fed if fed is not None or start == len(PROMPT) + 2 else previous[-1:]

@@ -7,8 +7,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from saguaro.runtime.feature_head import (FeatureHead, FeatureHeadShape, default_feature_layers, is_feature_head,
-                                          load_feature_head, save_feature_head)
+from saguaro.runtime.feature_head import (
+    FeatureHead,
+    FeatureHeadShape,
+    default_feature_layers,
+    is_feature_head,
+    load_feature_head,
+    save_feature_head,
+)
 from saguaro.runtime.llama import UNSCORED, LlamaShape
 
 TARGET = LlamaShape(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=6, num_heads=4, num_kv_heads=2,

@@ -7,9 +7,21 @@ import json
 import pytest
 import torch
 
-from saguaro.modelmaker.feature_draft import (PRESETS, Answer, acceptance, batch_of, chain_mask, collect_answers,
-                                              draft_vocabulary, encoded_prompts, initial_head, make_feature_draft,
-                                              round_lengths, train_head, unrolled)
+from saguaro.modelmaker.feature_draft import (
+    PRESETS,
+    Answer,
+    acceptance,
+    batch_of,
+    chain_mask,
+    collect_answers,
+    draft_vocabulary,
+    encoded_prompts,
+    initial_head,
+    make_feature_draft,
+    round_lengths,
+    train_head,
+    unrolled,
+)
 from saguaro.modelmaker.train import TrainSettings
 from saguaro.runtime.checkpoint import load_checkpoint
 from saguaro.runtime.feature_head import is_feature_head, load_feature_head

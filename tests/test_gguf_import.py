@@ -8,12 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf_files import TEXT, Q, byte_level_bpe, default_types, random_llama, vocabulary_of, write_llama_gguf
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from gguf_files import Q, TEXT, byte_level_bpe, default_types, random_llama, vocabulary_of, write_llama_gguf
 from saguaro.modelmaker.gguf_checks import CHAT_QUESTION, check_import, check_text, reference_logits, round_trip
-from saguaro.modelmaker.gguf_import import (GGUFImportError, dequantize, import_gguf, inspect_gguf, permute_rows,
-                                            unpermute_rows)
+from saguaro.modelmaker.gguf_import import GGUFImportError, dequantize, import_gguf, inspect_gguf, permute_rows, unpermute_rows
 from saguaro.modelmaker.packaged import SMOLLM2_INSTALL, smollm2_gguf
 from saguaro.runtime.checkpoint import load_checkpoint
 from saguaro.runtime.engines.torch_engine import TorchEngine

@@ -24,6 +24,8 @@ import os
 import onnx
 import pytest
 import torch
+from test_export_ort import PROMPT, assert_same_logits, engine_config, prefilled
+from verify_rounds import random_round
 
 from saguaro.compiler import tensorrt_builder
 from saguaro.compiler.builder import build_engines, graphs_built
@@ -35,8 +37,6 @@ from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.torch_engine import TorchEngine
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.sampling import SamplingParams
-from test_export_ort import PROMPT, assert_same_logits, engine_config, prefilled
-from verify_rounds import random_round
 
 NO_TENSORRT = "needs TensorRT (GPU machines: scripts/gpu_check.sh installs it from a wheel folder, docs/gpu.md)"
 # decided at collection, so that no fixture (model pair, engine builds) runs for nothing

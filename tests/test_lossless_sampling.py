@@ -23,8 +23,8 @@ import math
 
 import pytest
 import torch
-
 from checkpoints import build_small_engines, make_checkpoint
+
 from saguaro.plugins.probs import logits_to_probs
 from saguaro.runtime.contracts import VerifyResult
 from saguaro.runtime.options import DecodeOptions

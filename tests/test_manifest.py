@@ -3,11 +3,17 @@ import json
 import shutil
 
 import pytest
-
-from saguaro.runtime.engines.manifest import (MANIFEST_FILE, PLUGINS, ManifestError, read_manifest, validate_engine_dir,
-                            write_manifest)
 from checkpoints import build_small_engines, make_checkpoint
+
 from saguaro.runtime.engines import load_engine_pair
+from saguaro.runtime.engines.manifest import (
+    MANIFEST_FILE,
+    PLUGINS,
+    ManifestError,
+    read_manifest,
+    validate_engine_dir,
+    write_manifest,
+)
 
 
 @pytest.fixture(scope="module")

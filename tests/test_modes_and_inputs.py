@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from checkpoints import make_checkpoint
+
+from saguaro.plugins.fused_verify.reference import fused_verify
 from saguaro.runtime.checkpoint import CheckpointError
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline, RequestError
-from saguaro.plugins.fused_verify.reference import fused_verify
 from saguaro.runtime.sampling import ACCEPT_STREAM, BONUS_STREAM, SamplingParams, keyed_uniforms, pick_tokens
 
 ROOT = Path(__file__).resolve().parents[1]

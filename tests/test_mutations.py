@@ -1,7 +1,6 @@
 """The suite kills every planted bug of `mutation_check.py` (slow: `pytest -m mutation`)."""
-import pytest
-
 import mutation_check
+import pytest
 
 pytestmark = pytest.mark.mutation
 

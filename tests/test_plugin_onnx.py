@@ -4,6 +4,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from verify_rounds import random_round
 
 from saguaro.plugins.branch_draft import onnx_function as branch_onnx
 from saguaro.plugins.branch_draft.reference import commit_indices, gather_kv, plan_branches
@@ -11,7 +12,6 @@ from saguaro.plugins.branch_draft.signature import SIGNATURE as branch_signature
 from saguaro.plugins.fused_verify import onnx_function as verify_onnx
 from saguaro.plugins.fused_verify.reference import fused_verify
 from saguaro.plugins.signature import onnx_type
-from verify_rounds import random_round
 
 OPSETS = (17, 21)  # 18 moved ReduceMin/Max axes to an input; 21 is recent
 DRAFT_LENGTHS = (0, 1, 3, 5)

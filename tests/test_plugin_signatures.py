@@ -13,8 +13,8 @@ import typing
 import numpy as np
 import pytest
 import torch
-
 from fake_tensorrt import SizeTensorDesc, fake_tensorrt, input_desc
+
 from saguaro.compiler.tensorrt_builder import PLUGIN_SIGNATURES, check_plugin_node
 from saguaro.plugins.branch_draft import onnx_function as branch_onnx
 from saguaro.plugins.branch_draft import tensorrt_plugin as branch_trt

@@ -16,18 +16,19 @@ import torch
 
 os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton", reason="OpenAI Triton is not installed (pip install triton)")
-import triton.runtime.interpreter  # noqa: E402
+import triton.runtime.interpreter  # noqa: E402, F811 (the submodule, after the mode is set)
 
 if not isinstance(triton.language.standard.cumsum, triton.runtime.interpreter.InterpretedFunction):
     # triton's own library (tl.sort, tl.cumsum ...) took its mode when triton was imported
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run this file on its own "
                 "or set the variable in tests/conftest.py", allow_module_level=True)
 
+from verify_rounds import random_round  # noqa: E402
+
 from saguaro.plugins.branch_draft import triton_kernel as branch_triton  # noqa: E402
 from saguaro.plugins.branch_draft.reference import commit_indices, gather_kv, plan_branches  # noqa: E402
 from saguaro.plugins.fused_verify import triton_kernel as verify_triton  # noqa: E402
 from saguaro.plugins.fused_verify.reference import fused_verify  # noqa: E402
-from verify_rounds import random_round  # noqa: E402
 
 DRAFT_LENGTHS = (0, 1, 3, 5)
 # The interpreter runs tl.sort slowly, so the filtered settings use a small vocabulary.

@@ -3,7 +3,7 @@ import torch
 
 from saguaro.plugins.branch_draft.reference import candidate_keys, commit_indices, gather_kv, plan_branches, tree_mask
 from saguaro.plugins.fused_verify.reference import fused_verify
-from saguaro.plugins.probs import logits_to_probs, sample_from, saguaro_rescale
+from saguaro.plugins.probs import logits_to_probs, saguaro_rescale, sample_from
 
 GRID = 100  # uniforms on a midpoint grid: exact frequencies up to 1/GRID
 

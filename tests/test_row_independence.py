@@ -15,8 +15,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-
 from checkpoints import build_small_engines, make_checkpoint
+
 from saguaro.runtime.contracts import Step
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.batching import pack_steps

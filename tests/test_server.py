@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from served import metric, one, raw, reference
+from served import metrics as metrics_at
 
 from saguaro.runtime.detokenizer import prefix_window, text_delta
 from saguaro.runtime.pipeline import Pipeline
@@ -27,8 +29,6 @@ from saguaro.serving.interface import IGNORED, NEUTRAL_ONLY
 from saguaro.serving.launch import Ports, parse_args, serve
 from saguaro.serving.model_repo import values_from_args
 from saguaro.serving.responses import PERF_OUTPUTS
-from served import metric, one, raw, reference
-from served import metrics as metrics_at
 
 pytestmark = pytest.mark.server
 REPO_ROOT = Path(__file__).resolve().parents[1]

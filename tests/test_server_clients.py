@@ -21,6 +21,7 @@ import openai
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from served import metric, metrics
 from tritonclient.utils import np_to_triton_dtype
 
 from saguaro.runtime.options import DecodeOptions
@@ -30,7 +31,6 @@ from saguaro.runtime.sampling import SamplingParams
 from saguaro.serving.launch import Ports, parse_args, serve, start_openai
 from saguaro.serving.model_repo import values_from_args
 from saguaro.serving.responses import PERF_OUTPUTS
-from served import metric, metrics
 
 pytestmark = pytest.mark.server
 # A ChatML template (the test pair's tokenizer has none): what --chat-template gives.

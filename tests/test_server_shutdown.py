@@ -23,11 +23,11 @@ from pathlib import Path
 import openai
 import pytest
 import tritonclient.grpc as grpcclient
+from served import reference
 
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.serving.client import MODEL, CompletionError, absorb, Completion, complete, ensemble_inputs
+from saguaro.serving.client import MODEL, Completion, CompletionError, absorb, complete, ensemble_inputs
 from saguaro.serving.launch import EXIT_GRACE_S, TRITON_EXIT_TIMEOUT_S, Ports
-from served import reference
 
 pytestmark = pytest.mark.server
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -14,23 +14,45 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from checkpoints import byte_level_tokenizer
 
 from saguaro.runtime.checkpoint import load_tokenizer
-from saguaro.runtime.prompts import chat_messages, encode_chat
 from saguaro.runtime.detokenizer import PREFIX_TOKENS, prefix_window, stream_text, text_delta
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline, RequestError
+from saguaro.runtime.prompts import chat_messages, encode_chat
 from saguaro.runtime.sampling import SamplingParams
 from saguaro.serving.interface import IGNORED, NEUTRAL_ONLY
 from saguaro.serving.launch import pending_signals
-from saguaro.serving.model_repo import ModelSource, default_options
-from saguaro.serving.lifecycle import (CANCELLED, SHUTDOWN, DrainReport, Generations, ServerDraining, drain_inputs,
-                                       parse_drain_request)
-from saguaro.serving.requests import (INPUT_NAMES, ModelLimits, defaults_from_parameters, ServingRequest, TextCodec,
-                                      parse_request, parse_word_list, split_words, word_list)
+from saguaro.serving.lifecycle import (
+    CANCELLED,
+    SHUTDOWN,
+    DrainReport,
+    Generations,
+    ServerDraining,
+    drain_inputs,
+    parse_drain_request,
+)
+from saguaro.serving.model_repo import (
+    ModelSource,
+    default_options,
+    parse_args,
+    prepare_model_repo,
+    templates_dir,
+    values_from_args,
+)
+from saguaro.serving.requests import (
+    INPUT_NAMES,
+    ModelLimits,
+    ServingRequest,
+    TextCodec,
+    defaults_from_parameters,
+    parse_request,
+    parse_word_list,
+    split_words,
+    word_list,
+)
 from saguaro.serving.responses import first_stop_end, run_request
-from saguaro.serving.model_repo import parse_args, prepare_model_repo, templates_dir, values_from_args
-from checkpoints import byte_level_tokenizer
 
 LIMITS = ModelLimits(max_context=64, vocab_size=300, eos_token_id=2)
 

@@ -1,8 +1,8 @@
 """Speculation cache keys, hit/miss, miss fallback, KV rollback and branch commit."""
 import pytest
 import torch
-
 from checkpoints import make_checkpoint
+
 from saguaro.runtime.engines.torch_engine import TorchEngine
 from saguaro.runtime.sampling import SamplingParams
 from saguaro.runtime.speculator import Speculator, lockstep

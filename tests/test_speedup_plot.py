@@ -4,8 +4,11 @@ import pytest
 from saguaro.runtime.speedup_plot import Costs, committed_per_round, measured_points, pair_costs, predicted_speedup
 
 
+def contexts(decode: float, verify: float) -> list[dict]:
+    return [{"context": 128, "decode_ms": decode, "verify_ms": verify, "tree_step_ms": {}}]
+
+
 def bench_figures() -> dict:
-    contexts = lambda decode, verify: [{"context": 128, "decode_ms": decode, "verify_ms": verify, "tree_step_ms": {}}]
     return {"engine_costs": {"k": 4, "engines": [{"role": "target", "contexts": contexts(10.0, 12.0)},
                                                  {"role": "draft", "contexts": contexts(1.0, 1.5)}]},
             "modes": {"autoregressive": {"decode_tokens_per_s": 50.0, "accepted": 0.0, "drafted_tokens": 0},

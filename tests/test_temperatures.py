@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+from test_plugin_onnx import run_verify, session
+from verify_rounds import random_round
 
 from saguaro.plugins.fused_verify import onnx_function as verify_onnx
 from saguaro.plugins.fused_verify import triton_kernel
@@ -13,8 +15,6 @@ from saguaro.plugins.probs import GREEDY_TEMPERATURE, logits_to_probs
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.runtime.sampling import SamplingParams
-from test_plugin_onnx import run_verify, session
-from verify_rounds import random_round
 
 TINY = [1e-39, 1e-30, 1e-12, GREEDY_TEMPERATURE / 2, math.nextafter(GREEDY_TEMPERATURE, 0)]
 

@@ -12,8 +12,8 @@ from unittest import mock
 
 import pytest
 import torch
-
 from fake_tensorrt import fake_tensorrt
+
 from saguaro.plugins.fused_verify.reference import fused_verify
 from saguaro.runtime.contracts import EngineInfo, EngineLimits
 from saguaro.runtime.engines import tensorrt_engine

@@ -17,20 +17,18 @@ import threading
 import types
 from concurrent.futures import ThreadPoolExecutor
 
+import fake_tensorrt_llm
 import pytest
 import torch
-
-import fake_tensorrt_llm
 from checkpoints import make_checkpoint
 from test_lossless_sampling import PROMPT, VOCAB, chi_square_rejects, exact_law
+
 from saguaro.compiler.builder import build_engines
-from saguaro.compiler.config import BuildConfig, config_from_dict, ConfigError
+from saguaro.compiler.config import BuildConfig, ConfigError, config_from_dict
 from saguaro.runtime.contracts import Draft, RequestTarget, VerifyResult
+from saguaro.runtime.engines.tensorrt_llm_api import check_tensorrt_llm_version, import_tensorrt_llm, request_sampling
 from saguaro.runtime.engines.tensorrt_llm_settings import TensorRTLLMSettings
-from saguaro.runtime.engines.tensorrt_llm_api import (check_tensorrt_llm_version, import_tensorrt_llm,
-                                                      request_sampling)
-from saguaro.runtime.engines.tensorrt_llm_target import (TensorRTLLMTarget, draft_logits, round_outcome,
-                                                         sampling_arguments)
+from saguaro.runtime.engines.tensorrt_llm_target import TensorRTLLMTarget, draft_logits, round_outcome, sampling_arguments
 from saguaro.runtime.engines.torch_engine import TorchEngine
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline, RequestError

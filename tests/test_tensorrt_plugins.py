@@ -11,9 +11,9 @@ from unittest import mock
 import numpy as np
 import onnx
 import pytest
+from fake_tensorrt import ExpressionBuilder, StaleExpressionBuilder, fake_tensorrt, input_desc
 from onnx import TensorProto, helper
 
-from fake_tensorrt import ExpressionBuilder, StaleExpressionBuilder, fake_tensorrt, input_desc
 from saguaro.compiler import builder, tensorrt_builder
 from saguaro.compiler.builder import build_engines
 from saguaro.compiler.config import BuildConfig, ConfigError, config_from_dict

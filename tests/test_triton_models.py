@@ -11,10 +11,10 @@ import threading
 import time
 from types import SimpleNamespace
 
+import fake_triton
 import numpy as np
 import pytest
 
-import fake_triton
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.runtime.sampling import SamplingParams

@@ -16,11 +16,11 @@ undecidable (a few in a hundred); every other round is compared exactly.
 import numpy as np
 import pytest
 import torch
+from test_plugin_onnx import run_verify, session
 
 from saguaro.plugins.fused_verify import onnx_function as verify_onnx
 from saguaro.plugins.fused_verify import triton_kernel
 from saguaro.plugins.fused_verify.reference import fused_verify
-from test_plugin_onnx import run_verify, session
 
 VOCAB = 24
 MARGIN = 1e-5     # relative distance to a decision threshold below which float32 may decide otherwise

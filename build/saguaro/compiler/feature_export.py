@@ -26,9 +26,22 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
-from saguaro.compiler.fused_export import (GraphWriter, attention, attention_bias, attention_inputs, finished_model,
-                                           graph_inputs, kv_value, lm_head, mlp, quantize, rope_caches, save_model,
-                                           skip_norm, weight_constant)
+from saguaro.compiler.fused_export import (
+    GraphWriter,
+    attention,
+    attention_bias,
+    attention_inputs,
+    finished_model,
+    graph_inputs,
+    kv_value,
+    lm_head,
+    mlp,
+    quantize,
+    rope_caches,
+    save_model,
+    skip_norm,
+    weight_constant,
+)
 from saguaro.runtime.feature_head import FeatureHead
 from saguaro.runtime.llama import LlamaShape
 

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import json
+import sys
 from pathlib import Path
 
 from saguaro.modelmaker import draft_for, feature_draft
 from saguaro.modelmaker.acceptance import format_acceptance
 from saguaro.modelmaker.model_pair import PRESETS, make_pair
 from saguaro.runtime.checkpoint import CheckpointError
-
 
 KIND_FEATURE = feature_draft.KIND
 

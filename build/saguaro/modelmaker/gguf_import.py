@@ -330,7 +330,8 @@ def import_report(source: Inspected, out: Path, weights: dict, seconds: dict) ->
     spec = source.tokenizer
     return ImportReport(
         source=str(source.path.resolve()), out=str(out), name=source.name, architecture="llama",
-        hyperparameters=asdict(source.hp), tied_embeddings=source.hp.tie_word_embeddings, parameters=sum(w.numel() for w in weights.values()),
+        hyperparameters=asdict(source.hp), tied_embeddings=source.hp.tie_word_embeddings,
+        parameters=sum(w.numel() for w in weights.values()),
         quantisation_types=type_counts(source.reader),
         tokenizer={"pre_tokenizer": spec.pre_tokenizer, "tokens": len(spec.tokens),
                    "bos": spec.text_of(spec.bos_token_id), "eos": spec.text_of(spec.eos_token_id),

@@ -25,8 +25,15 @@ from pathlib import Path
 
 from saguaro.runtime.arguments import DECODE_DEFAULTS, flag_type
 from saguaro.runtime.assisted import transformers_timings
-from saguaro.runtime.engine_suite import CONTEXTS, PREFILL_TOKENS, TREE_BRANCHES, format_report, measure_pair, \
-    new_report, run_suite
+from saguaro.runtime.engine_suite import (
+    CONTEXTS,
+    PREFILL_TOKENS,
+    TREE_BRANCHES,
+    format_report,
+    measure_pair,
+    new_report,
+    run_suite,
+)
 from saguaro.runtime.engines.manifest import read_manifest
 from saguaro.runtime.options import DecodeOptions, parse_budget, parse_fanout
 from saguaro.runtime.pipeline import Pipeline

@@ -17,8 +17,13 @@ import json
 import sys
 from pathlib import Path
 
-from saguaro.runtime.arguments import (DECODE_DEFAULTS, add_decoding_arguments, add_sampling_arguments,
-                                       decode_options, sampling_params)
+from saguaro.runtime.arguments import (
+    DECODE_DEFAULTS,
+    add_decoding_arguments,
+    add_sampling_arguments,
+    decode_options,
+    sampling_params,
+)
 from saguaro.runtime.load_policy import PROBE_PERIOD
 from saguaro.runtime.pipeline import Pipeline
 

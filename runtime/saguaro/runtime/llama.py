@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+
 @dataclass(frozen=True)
 class LlamaShape:
     """The architecture numbers of a Llama checkpoint (read from its config.json)."""

@@ -16,12 +16,12 @@ import torch
 from saguaro.runtime.checkpoint import check_pair_compatible
 from saguaro.runtime.contracts import RequestTarget
 from saguaro.runtime.decoding import Cancelled, Decoder, Generation, OnStart, OnTokens, Request
-from saguaro.runtime.scheduler import Scheduler
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.torch_engine import TorchEngine, torch_draft
 from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.prompts import PromptError, chat_messages, encode_chat, encode_text
 from saguaro.runtime.sampling import SamplingParams
+from saguaro.runtime.scheduler import Scheduler
 
 
 class RequestError(ValueError):

@@ -61,11 +61,11 @@ from saguaro.serving.model_repo import ModelSource, add_source_arguments, defaul
 from saguaro.serving.requests import ModelLimits
 
 try:  # the `dynamo` extra (docs/dynamo.md); the rest of the project never needs it
+    import uvloop  # Dynamo's event loop (a dependency of its runtime)
     from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
     from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown, WorkerUnavailable
     from dynamo.runtime import DistributedRuntime
     from dynamo.runtime.logging import configure_dynamo_logging
-    import uvloop  # Dynamo's event loop (a dependency of its runtime)
 
     from saguaro.serving.dynamo_metrics import WorkerMetrics
     DYNAMO_MISSING = None

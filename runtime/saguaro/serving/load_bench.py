@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from saguaro.runtime.bench import PROMPTS
 from saguaro.runtime.arguments import DECODE_DEFAULTS
+from saguaro.runtime.bench import PROMPTS
 from saguaro.serving.client import complete, ensemble_inputs, tensor
 from saguaro.serving.cpu_profile import server_processes, snapshot, spent
 from saguaro.serving.launch import Ports, serve

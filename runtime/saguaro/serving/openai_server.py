@@ -35,8 +35,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from saguaro.runtime.checkpoint import load_tokenizer
 from saguaro.runtime.prompts import PromptError, encode_chat, encode_text
-from saguaro.serving.openai_protocol import (ApiError, ChatRequest, CompletionRequest, GenerationParams,
-                                             chat_params, completion_params)
+from saguaro.serving.openai_protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    GenerationParams,
+    chat_params,
+    completion_params,
+)
 from saguaro.serving.ssd_stream import Round, SsdStream
 from saguaro.serving.text_stream import TextStream
 

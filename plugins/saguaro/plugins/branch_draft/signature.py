@@ -16,7 +16,6 @@ from __future__ import annotations
 from saguaro.plugins.branch_draft import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from saguaro.plugins.signature import FLOAT_TYPES, PluginSignature, TensorSpec
 
-
 SIGNATURE = PluginSignature(
     name=PLUGIN_NAME, namespace=PLUGIN_NAMESPACE, version=PLUGIN_VERSION,
     inputs=(TensorSpec("scores", FLOAT_TYPES, 2),       # [K+1, V]

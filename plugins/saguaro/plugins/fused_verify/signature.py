@@ -5,7 +5,6 @@ from __future__ import annotations
 from saguaro.plugins.fused_verify import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from saguaro.plugins.signature import FLOAT_TYPES, PluginSignature, TensorSpec
 
-
 SIGNATURE = PluginSignature(
     name=PLUGIN_NAME, namespace=PLUGIN_NAMESPACE, version=PLUGIN_VERSION,
     inputs=(TensorSpec("target_logits", FLOAT_TYPES, 2),  # [K+1, V]
