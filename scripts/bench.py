@@ -1,7 +1,7 @@
-"""Benchmark the decoding modes side by side on one pair (the code lives in `saguaro.runtime.bench`)."""
+"""Benchmark the decoding modes side by side on one pair (the code lives in `saguaro.benchmarks.bench`)."""
 import sys
 
-from saguaro.runtime.bench import main
+from saguaro.benchmarks.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
-"""The server under load, modes side by side (the code lives in `saguaro.serving.load_bench`)."""
+"""The server under load, modes side by side (the code lives in `saguaro.benchmarks.load_bench`)."""
 import sys
 
-from saguaro.serving.load_bench import main
+from saguaro.benchmarks.load_bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

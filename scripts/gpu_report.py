@@ -1,7 +1,7 @@
-"""The JSON of figures of a `scripts/gpu_check.sh` run (the code lives in `saguaro.runtime.gpu_report`)."""
+"""The JSON of figures of a `scripts/gpu_check.sh` run (the code lives in `saguaro.benchmarks.gpu_report`)."""
 import sys
 
-from saguaro.runtime.gpu_report import main
+from saguaro.benchmarks.gpu_report import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
-"""Plot speed-up against acceptance from bench.py --json files (`saguaro.runtime.speedup_plot`)."""
+"""Plot speed-up against acceptance from bench.py --json files (`saguaro.benchmarks.speedup_plot`)."""
 import sys
 
-from saguaro.runtime.speedup_plot import main
+from saguaro.benchmarks.speedup_plot import main
 
 if __name__ == "__main__":
     sys.exit(main())

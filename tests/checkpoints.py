@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from saguaro.runtime.engines.torch_engine import TorchEngine
-from saguaro.runtime.feature_head import FeatureHead, FeatureHeadShape, default_feature_layers, save_feature_head
+from saguaro.runtime.models.feature_head import FeatureHead, FeatureHeadShape, default_feature_layers, save_feature_head
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 # Few merges over text with accents, CJK and emoji: such characters span several tokens,

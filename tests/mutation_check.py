@@ -41,19 +41,19 @@ class Mutation:
 
 
 VERIFY = "plugins/saguaro/plugins/fused_verify/reference.py"
-VERIFIER = "runtime/saguaro/runtime/verifier.py"
+VERIFIER = "runtime/saguaro/runtime/decoding/verifier.py"
 MUTATIONS = [
     Mutation("one-acceptance-uniform", "one acceptance uniform reused for every depth (uniforms[:1])",
              VERIFY, "accepted_prefix_length(uniforms[:k] * q_draft < p_draft)",
              "accepted_prefix_length(uniforms[:1] * q_draft < p_draft)"),
     Mutation("round-relative-acceptance-keys", "acceptance uniforms keyed by position within the round",
-             "runtime/saguaro/runtime/sampling.py", "keyed_uniforms(params.seed, ACCEPT_STREAM, draft_positions)",
+             "runtime/saguaro/runtime/core/sampling.py", "keyed_uniforms(params.seed, ACCEPT_STREAM, draft_positions)",
              "keyed_uniforms(params.seed, ACCEPT_STREAM, draft_positions - first_new)"),
     Mutation("count-passing-tests", "accepted counted as the passing tests, not the leading run",
              VERIFY, "accepted_prefix_length(uniforms[:k] * q_draft < p_draft)",
              "(uniforms[:k] * q_draft < p_draft).sum()"),
     Mutation("branch-draft-uniform-position", "a branch's draft uniform keyed at the fed token's position",
-             "runtime/saguaro/runtime/speculator.py",
+             "runtime/saguaro/runtime/decoding/speculator.py",
              "pick_tokens(logits, self.sampling, self.saguaro, plan.positions[step] + 1)",
              "pick_tokens(logits, self.sampling, self.saguaro, plan.positions[step])"),
     Mutation("swapped-q-p", "q and p swapped in the acceptance test",
@@ -62,7 +62,7 @@ MUTATIONS = [
              VERIFY, "sample_from(residual_rows(p, draft_probs)[accepted], uniforms[k])",
              "sample_from(p[accepted], uniforms[k])"),
     Mutation("one-stream", "one random stream for draft tokens and acceptance tests",
-             "runtime/saguaro/runtime/sampling.py", "DRAFT_STREAM, ACCEPT_STREAM, BONUS_STREAM = 1, 2, 3",
+             "runtime/saguaro/runtime/core/sampling.py", "DRAFT_STREAM, ACCEPT_STREAM, BONUS_STREAM = 1, 2, 3",
              "DRAFT_STREAM, ACCEPT_STREAM, BONUS_STREAM = 1, 1, 3"),
     Mutation("verify-without-last-token", "verify feeds d_1 where the last committed token belongs "
              "(logits shifted by one)", VERIFIER, "tokens = torch.cat((torch.tensor([ids[-1]]), drafts))",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from saguaro.runtime.options import DecodeOptions
-from saguaro.runtime.sampling import SamplingParams
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.serving.served_metrics import metric, scrape
 
 __all__ = ["metric", "metrics", "one", "raw", "reference"]

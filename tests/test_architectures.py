@@ -10,9 +10,9 @@ from transformers import AutoModelForCausalLM
 
 from saguaro.compiler.builder import build_engines
 from saguaro.compiler.config import BuildConfig, ConfigError
-from saguaro.runtime.checkpoint import CheckpointError, load_checkpoint
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.torch_engine import TorchEngine
+from saguaro.runtime.models.checkpoint import CheckpointError, load_checkpoint
 
 ARCHITECTURES = {
     "qwen2 (q/k/v biases)": ("qwen2", {}),

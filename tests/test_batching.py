@@ -9,9 +9,9 @@ import threading
 import pytest
 from checkpoints import build_small_engines
 
-from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.runtime.sampling import SamplingParams
 
 PROMPTS = ["The with statement", "A class definition defines", "x", "Exceptions are raised",
            "The import system", "In a for loop,", "Comparisons", "Lambda expressions are",

@@ -1,7 +1,7 @@
 """Branch budgets: where B branches go, and how an "auto" budget picks B."""
 import torch
 
-from saguaro.runtime.budget import AdaptiveBudget, OnlineBudget, StaticFanout, bonus_rank
+from saguaro.runtime.control.budget import AdaptiveBudget, OnlineBudget, StaticFanout, bonus_rank
 
 
 def test_static_fanout_broadcasts_one_value_to_every_depth():

@@ -10,7 +10,7 @@ from checkpoints import make_checkpoint
 from saguaro.compiler import cli as build_engines_cli
 from saguaro.compiler.builder import build_engines
 from saguaro.compiler.config import BuildConfig, ConfigError, config_from_dict, merge_overrides, resolve_config
-from saguaro.runtime.checkpoint import CheckpointError
+from saguaro.runtime.models.checkpoint import CheckpointError
 
 VALID = {"name": "t", "target": "a", "draft": "b"}
 

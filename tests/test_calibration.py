@@ -7,11 +7,11 @@ import pytest
 import torch
 from checkpoints import build_small_engines
 
-from saguaro.runtime.contracts import causal_mask
+from saguaro.runtime.core.contracts import causal_mask
+from saguaro.runtime.core.options import DEFAULT_FANOUT, DecodeOptions, hidden_branch_options
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.calibration import BranchCalibration
 from saguaro.runtime.engines.manifest import MANIFEST_FILE
-from saguaro.runtime.options import DEFAULT_FANOUT, DecodeOptions, hidden_branch_options
 
 
 def calibration(verify_ms, tree_step_ms, glue_ms=1.0):

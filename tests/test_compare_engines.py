@@ -1,5 +1,5 @@
 """The interleaved A/B of two engine folders' forwards."""
-from saguaro.runtime.compare_engines import FORWARDS, compare, main
+from saguaro.benchmarks.compare_engines import FORWARDS, compare, main
 
 
 def test_every_forward_is_timed_for_both_folders(tiny_engines):

@@ -12,11 +12,11 @@ from saguaro.modelmaker.draft_for import PRESETS, REPORT_FILE, kept_layers, make
 from saguaro.modelmaker.draft_prompts import prompt_set
 from saguaro.modelmaker.draft_training import Sequence
 from saguaro.modelmaker.train import TrainSettings
-from saguaro.runtime.checkpoint import load_tokenizer
-from saguaro.runtime.llama import UNSCORED
-from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
+from saguaro.runtime.models.checkpoint import load_tokenizer
+from saguaro.runtime.models.llama import UNSCORED
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.runtime.sampling import SamplingParams
 
 TINY = dataclasses.replace(PRESETS["quick"], num_layers=1, output_vocab=160, train_prompts=12, held_out_prompts=4,
                            new_tokens=12, generation_batch=6,

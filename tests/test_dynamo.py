@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.runtime.sampling import SamplingParams
 
 NO_DYNAMO = "NVIDIA Dynamo is not installed (bash scripts/install_dynamo.sh; scripts/test.sh installs it)"
 pytestmark = [pytest.mark.dynamo, pytest.mark.skipif(importlib.util.find_spec("dynamo") is None, reason=NO_DYNAMO)]

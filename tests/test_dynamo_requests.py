@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.pipeline import RequestError
 from saguaro.serving.dynamo_requests import DEFAULT_TEMPERATURE, parse_request
 from saguaro.serving.requests import ModelLimits
@@ -153,7 +153,7 @@ def test_the_worker_metrics_count_rounds_drafts_and_requests():
 
 
 def test_the_projection_multiplies_the_one_worker_figure_and_ignores_other_cluster_sizes():
-    from saguaro.serving.dynamo_bench import Level, projection
+    from saguaro.benchmarks.dynamo_bench import Level, projection
 
     def level(workers, streams, rate):
         return Level(workers, streams, 8, 512, 1.0, rate, rate / workers, 10.0, 1.0, [8] * workers, 0.5)

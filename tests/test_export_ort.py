@@ -13,12 +13,12 @@ from saguaro.compiler.builder import build_engines
 from saguaro.compiler.config import BuildConfig
 from saguaro.plugins.branch_draft.reference import commit_indices, plan_branches, step_mask
 from saguaro.plugins.fused_verify.reference import fused_verify
-from saguaro.runtime.contracts import Step
+from saguaro.runtime.core.contracts import Step
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.torch_engine import TorchEngine
-from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.runtime.sampling import SamplingParams
 
 ATOL = 1e-4
 K = 4

@@ -7,11 +7,11 @@ import pytest
 import torch
 from checkpoints import random_head
 
-from saguaro.runtime.contracts import Rows
+from saguaro.runtime.core.contracts import Rows
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.engines.torch_engine import TorchEngine, TorchFeatureDraft
-from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.runtime.sampling import SamplingParams
 
 PROMPTS = ["The with statement", "A class definition defines", "Exceptions are raised", "x",
            "In a for loop,", "The import system"]

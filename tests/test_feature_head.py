@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from saguaro.runtime.feature_head import (
+from saguaro.runtime.models.feature_head import (
     FeatureHead,
     FeatureHeadShape,
     default_feature_layers,
@@ -15,7 +15,7 @@ from saguaro.runtime.feature_head import (
     load_feature_head,
     save_feature_head,
 )
-from saguaro.runtime.llama import UNSCORED, LlamaShape
+from saguaro.runtime.models.llama import UNSCORED, LlamaShape
 
 TARGET = LlamaShape(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=6, num_heads=4, num_kv_heads=2,
                     head_dim=4, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128,

@@ -23,8 +23,8 @@ from saguaro.modelmaker.feature_draft import (
     unrolled,
 )
 from saguaro.modelmaker.train import TrainSettings
-from saguaro.runtime.checkpoint import load_checkpoint
-from saguaro.runtime.feature_head import is_feature_head, load_feature_head
+from saguaro.runtime.models.checkpoint import load_checkpoint
+from saguaro.runtime.models.feature_head import is_feature_head, load_feature_head
 
 TINY = dataclasses.replace(PRESETS["quick"], draft_vocab_size=200, train_prompts=24, held_out_prompts=8,
                            new_tokens=12, generation_batch=8, threads=2,

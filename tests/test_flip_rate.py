@@ -1,7 +1,7 @@
 """The flip-rate benchmark: its counting, and a short run on the tiny engines."""
 import json
 
-from saguaro.runtime.flip_rate import Comparison, main, prompt_texts
+from saguaro.benchmarks.flip_rate import Comparison, main, prompt_texts
 
 
 def test_a_comparison_counts_tokens_up_to_the_first_flip():

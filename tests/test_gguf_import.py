@@ -14,8 +14,8 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from saguaro.modelmaker.gguf_checks import CHAT_QUESTION, check_import, check_text, reference_logits, round_trip
 from saguaro.modelmaker.gguf_import import GGUFImportError, dequantize, import_gguf, inspect_gguf, permute_rows, unpermute_rows
 from saguaro.modelmaker.packaged import SMOLLM2_INSTALL, smollm2_gguf
-from saguaro.runtime.checkpoint import load_checkpoint
 from saguaro.runtime.engines.torch_engine import TorchEngine
+from saguaro.runtime.models.checkpoint import load_checkpoint
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "import_gguf.py"
 

@@ -33,10 +33,10 @@ from saguaro.plugins.branch_draft import onnx_function as branch_onnx
 from saguaro.plugins.branch_draft.reference import gather_kv, plan_branches
 from saguaro.plugins.fused_verify import onnx_function as verify_onnx
 from saguaro.plugins.fused_verify.reference import fused_verify
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.torch_engine import TorchEngine
-from saguaro.runtime.options import DecodeOptions
-from saguaro.runtime.sampling import SamplingParams
 
 NO_TENSORRT = "needs TensorRT (GPU machines: scripts/gpu_check.sh installs it from a wheel folder, docs/gpu.md)"
 # decided at collection, so that no fixture (model pair, engine builds) runs for nothing
@@ -250,7 +250,7 @@ def test_ssd_on_tensorrt_engines_equals_the_target_alone(trt_engines, tiny_pair,
 
 @with_tensorrt
 def test_fp16_engines_keep_an_fp16_cache_and_score_as_the_fp16_model(trt_fp16_engines, tiny_pair):
-    from saguaro.runtime.checkpoint import load_checkpoint
+    from saguaro.runtime.models.checkpoint import load_checkpoint
     from saguaro.runtime.pipeline import Pipeline
 
     manifest = json.loads((trt_fp16_engines / "manifest.json").read_text())

@@ -118,7 +118,7 @@ def test_the_shipped_pins_are_exact_and_inside_the_admitted_ranges(name):
 
 def test_the_report_gathers_steps_tests_and_figures(tmp_path):
     """What a finished check leaves in its folder, gathered into gpu_check.json."""
-    from saguaro.runtime import gpu_report
+    from saguaro.benchmarks import gpu_report
 
     (tmp_path / "steps.tsv").write_text("install\tpass\t12.5\nGPU tests\tfail (1)\t40.25\n")
     (tmp_path / "gpu_tests.xml").write_text(

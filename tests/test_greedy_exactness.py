@@ -1,9 +1,9 @@
 """Greedy SD and SSD are token-identical to greedy decoding of the target alone."""
 import pytest
 
-from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.runtime.sampling import SamplingParams
 
 PROMPTS = [
     "The with statement", "A class definition defines", "Exceptions are raised", "The import system",

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from saguaro.serving.load_bench import main
+from saguaro.benchmarks.load_bench import main
 
 pytestmark = pytest.mark.server
 

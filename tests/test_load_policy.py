@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from saguaro.runtime.cli import policy_summary
-from saguaro.runtime.contracts import Rows, Step
+from saguaro.runtime.control.load_policy import PROBE_DRAFTS, PROBE_PERIOD, Acceptance, CostCurve, LinearCost, LoadPolicy, Plan
+from saguaro.runtime.core.contracts import Rows, Step
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
+from saguaro.runtime.core.stats import GenerationStats
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.torch_engine import TorchEngine
-from saguaro.runtime.load_policy import PROBE_DRAFTS, PROBE_PERIOD, Acceptance, CostCurve, LinearCost, LoadPolicy, Plan
-from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.runtime.sampling import SamplingParams
-from saguaro.runtime.stats import GenerationStats
 
 
 @dataclass

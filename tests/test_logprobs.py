@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from saguaro.plugins.probs import logits_to_probs
-from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.runtime.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

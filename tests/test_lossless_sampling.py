@@ -26,10 +26,10 @@ import torch
 from checkpoints import build_small_engines, make_checkpoint
 
 from saguaro.plugins.probs import logits_to_probs
-from saguaro.runtime.contracts import VerifyResult
-from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.core.contracts import VerifyResult
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.runtime.sampling import SamplingParams
 
 PROMPT = [1, 2, 3]
 VOCAB = 4

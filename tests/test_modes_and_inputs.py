@@ -9,10 +9,10 @@ import torch
 from checkpoints import make_checkpoint
 
 from saguaro.plugins.fused_verify.reference import fused_verify
-from saguaro.runtime.checkpoint import CheckpointError
-from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import ACCEPT_STREAM, BONUS_STREAM, SamplingParams, keyed_uniforms, pick_tokens
+from saguaro.runtime.models.checkpoint import CheckpointError
 from saguaro.runtime.pipeline import Pipeline, RequestError
-from saguaro.runtime.sampling import ACCEPT_STREAM, BONUS_STREAM, SamplingParams, keyed_uniforms, pick_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [1, 9, 14, 22, 5, 31]

@@ -14,10 +14,10 @@ from saguaro.compiler.config import resolve_config
 from saguaro.modelmaker.draft_for import kept_layers, output_vocabulary, pruned_draft, save_draft
 from saguaro.modelmaker.gguf_import import import_gguf
 from saguaro.modelmaker.packaged import SMOLLM2_INSTALL, smollm2_gguf
-from saguaro.runtime.checkpoint import load_checkpoint
-from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
+from saguaro.runtime.models.checkpoint import load_checkpoint
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.runtime.sampling import SamplingParams
 from saguaro.serving.client import complete, ensemble_inputs
 from saguaro.serving.launch import Ports, parse_args, serve
 from saguaro.serving.model_repo import values_from_args

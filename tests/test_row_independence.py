@@ -17,7 +17,7 @@ import pytest
 import torch
 from checkpoints import build_small_engines, make_checkpoint
 
-from saguaro.runtime.contracts import Step
+from saguaro.runtime.core.contracts import Step
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.batching import pack_steps
 from saguaro.runtime.engines.manifest import read_manifest

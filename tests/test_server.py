@@ -21,9 +21,9 @@ import tritonclient.grpc as grpcclient
 from served import metric, one, raw, reference
 from served import metrics as metrics_at
 
-from saguaro.runtime.detokenizer import prefix_window, text_delta
+from saguaro.runtime.core.sampling import SamplingParams
+from saguaro.runtime.models.detokenizer import prefix_window, text_delta
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.runtime.sampling import SamplingParams
 from saguaro.serving.client import MODEL, CompletionError, complete, ensemble_inputs, stream_responses
 from saguaro.serving.interface import IGNORED, NEUTRAL_ONLY
 from saguaro.serving.launch import Ports, parse_args, serve

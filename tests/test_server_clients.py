@@ -24,10 +24,10 @@ import tritonclient.http as httpclient
 from served import metric, metrics
 from tritonclient.utils import np_to_triton_dtype
 
-from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
+from saguaro.runtime.models.prompts import encode_chat
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.runtime.prompts import encode_chat
-from saguaro.runtime.sampling import SamplingParams
 from saguaro.serving.launch import Ports, parse_args, serve, start_openai
 from saguaro.serving.model_repo import values_from_args
 from saguaro.serving.responses import PERF_OUTPUTS

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from checkpoints import byte_level_tokenizer
 
-from saguaro.runtime.checkpoint import load_tokenizer
-from saguaro.runtime.detokenizer import PREFIX_TOKENS, prefix_window, stream_text, text_delta
-from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
+from saguaro.runtime.models.checkpoint import load_tokenizer
+from saguaro.runtime.models.detokenizer import PREFIX_TOKENS, prefix_window, stream_text, text_delta
+from saguaro.runtime.models.prompts import chat_messages, encode_chat
 from saguaro.runtime.pipeline import Pipeline, RequestError
-from saguaro.runtime.prompts import chat_messages, encode_chat
-from saguaro.runtime.sampling import SamplingParams
 from saguaro.serving.interface import IGNORED, NEUTRAL_ONLY
 from saguaro.serving.launch import pending_signals
 from saguaro.serving.lifecycle import (

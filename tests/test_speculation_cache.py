@@ -3,10 +3,10 @@ import pytest
 import torch
 from checkpoints import make_checkpoint
 
+from saguaro.runtime.core.sampling import SamplingParams
+from saguaro.runtime.decoding.speculator import Speculator, lockstep
+from saguaro.runtime.decoding.verifier import Verifier
 from saguaro.runtime.engines.torch_engine import TorchEngine
-from saguaro.runtime.sampling import SamplingParams
-from saguaro.runtime.speculator import Speculator, lockstep
-from saguaro.runtime.verifier import Verifier
 
 K = 3
 PROMPT = [1, 7, 12, 30, 9]

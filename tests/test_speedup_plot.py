@@ -1,7 +1,7 @@
 """The speed-up plot's points and predicted curves from bench figures."""
 import pytest
 
-from saguaro.runtime.speedup_plot import Costs, committed_per_round, measured_points, pair_costs, predicted_speedup
+from saguaro.benchmarks.speedup_plot import Costs, committed_per_round, measured_points, pair_costs, predicted_speedup
 
 
 def contexts(decode: float, verify: float) -> list[dict]:

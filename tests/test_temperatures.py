@@ -12,9 +12,9 @@ from saguaro.plugins.fused_verify import onnx_function as verify_onnx
 from saguaro.plugins.fused_verify import triton_kernel
 from saguaro.plugins.fused_verify.reference import fused_verify
 from saguaro.plugins.probs import GREEDY_TEMPERATURE, logits_to_probs
-from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.runtime.sampling import SamplingParams
 
 TINY = [1e-39, 1e-30, 1e-12, GREEDY_TEMPERATURE / 2, math.nextafter(GREEDY_TEMPERATURE, 0)]
 

@@ -15,11 +15,11 @@ import torch
 from fake_tensorrt import fake_tensorrt
 
 from saguaro.plugins.fused_verify.reference import fused_verify
-from saguaro.runtime.contracts import EngineInfo, EngineLimits
+from saguaro.runtime.core.contracts import EngineInfo, EngineLimits
+from saguaro.runtime.core.sampling import SamplingParams, pick_tokens, verification_uniforms
 from saguaro.runtime.engines import tensorrt_engine
+from saguaro.runtime.engines.kv_cache import VIEW_ALIGNMENT_BYTES, SlotKVCache
 from saguaro.runtime.engines.tensorrt_engine import TensorRTEngine, TensorRTGraph, binding_address
-from saguaro.runtime.kv_cache import VIEW_ALIGNMENT_BYTES, SlotKVCache
-from saguaro.runtime.sampling import SamplingParams, pick_tokens, verification_uniforms
 
 
 class Log(list):

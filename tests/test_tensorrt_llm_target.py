@@ -25,14 +25,14 @@ from test_lossless_sampling import PROMPT, VOCAB, chi_square_rejects, exact_law
 
 from saguaro.compiler.builder import build_engines
 from saguaro.compiler.config import BuildConfig, ConfigError, config_from_dict
-from saguaro.runtime.contracts import Draft, RequestTarget, VerifyResult
+from saguaro.runtime.core.contracts import Draft, RequestTarget, VerifyResult
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
+from saguaro.runtime.decoding.tensorrt_llm_loop import TensorRTLLMTarget, draft_logits, round_outcome, sampling_arguments
 from saguaro.runtime.engines.tensorrt_llm_api import check_tensorrt_llm_version, import_tensorrt_llm, request_sampling
 from saguaro.runtime.engines.tensorrt_llm_settings import TensorRTLLMSettings
-from saguaro.runtime.engines.tensorrt_llm_target import TensorRTLLMTarget, draft_logits, round_outcome, sampling_arguments
 from saguaro.runtime.engines.torch_engine import TorchEngine
-from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline, RequestError
-from saguaro.runtime.sampling import SamplingParams
 
 TWO_TOKEN_SAMPLES = 1200  # seeded generations of the first two tokens (16 outcomes)
 PROMPTS = [[0, 5, 9, 14, 3, 22, 7], [0, 11, 6, 18], [0, 40, 41, 42, 43, 44, 45, 46, 47]]
@@ -113,8 +113,8 @@ def test_precision_is_the_draft_backends():
 
 
 def test_a_changed_target_checkpoint_is_refused(trtllm_engines, tmp_path):
+    from saguaro.runtime.decoding.tensorrt_llm_loop import check_target_checkpoint
     from saguaro.runtime.engines.manifest import ManifestError
-    from saguaro.runtime.engines.tensorrt_llm_target import check_target_checkpoint
 
     manifest = json.loads((trtllm_engines / "manifest.json").read_text())
     (tmp_path / "config.json").write_text("{}")

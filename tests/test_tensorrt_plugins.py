@@ -327,7 +327,7 @@ def test_an_fp16_export_computes_what_the_fp16_model_computes(tensorrt_builds, t
     import onnxruntime
     import torch
 
-    from saguaro.runtime.checkpoint import load_checkpoint
+    from saguaro.runtime.models.checkpoint import load_checkpoint
 
     out, _ = tensorrt_builds["fp16"]
     model = load_checkpoint(tiny_pair / "target").model.half()

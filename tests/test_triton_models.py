@@ -15,9 +15,9 @@ import fake_triton
 import numpy as np
 import pytest
 
-from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.runtime.sampling import SamplingParams
 from saguaro.serving.lifecycle import CONTROL_TOKEN_ENV, DrainReport, drain_inputs
 
 FINAL = fake_triton.TRITONSERVER_RESPONSE_COMPLETE_FINAL

@@ -12,11 +12,11 @@ from collections import defaultdict
 import pytest
 import torch
 
-from saguaro.runtime import sampling
+from saguaro.runtime.core import sampling
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.engines import torch_engine
-from saguaro.runtime.options import DecodeOptions
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.runtime.sampling import SamplingParams
 
 RUNS = [  # options, sampling: filters, Saguaro rescaling, branch hits and misses
     (dict(mode="speculative", num_draft_tokens=3), SamplingParams(temperature=0.9, top_k=30, top_p=0.9, seed=2)),

@@ -28,7 +28,10 @@ from saguaro.compiler import export, onnxruntime_builder
 from saguaro.compiler.config import BuildConfig, ConfigError, config_to_dict
 from saguaro.compiler.tensorrt_builder import EXPORT_DTYPES, TensorRTBuildOptions, build_engine, manifest_entry
 from saguaro.plugins.tensorrt_registry import import_tensorrt
-from saguaro.runtime.checkpoint import (
+from saguaro.runtime.engines import load_engine_pair
+from saguaro.runtime.engines.calibration import measure_calibration
+from saguaro.runtime.engines.manifest import FEATURE_HEAD, MANIFEST_FILE, sha256_file, write_manifest
+from saguaro.runtime.models.checkpoint import (
     CheckpointError,
     check_pair_compatible,
     end_of_generation_ids,
@@ -39,10 +42,7 @@ from saguaro.runtime.checkpoint import (
     read_state_dict,
     tokenizer_fingerprint,
 )
-from saguaro.runtime.engines import load_engine_pair
-from saguaro.runtime.engines.calibration import measure_calibration
-from saguaro.runtime.engines.manifest import FEATURE_HEAD, MANIFEST_FILE, sha256_file, write_manifest
-from saguaro.runtime.feature_head import head_shape, is_feature_head, load_feature_head
+from saguaro.runtime.models.feature_head import head_shape, is_feature_head, load_feature_head
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from saguaro.compiler.builder import build_engines, summary
 from saguaro.compiler.config import BACKENDS, ConfigError, resolve_config
-from saguaro.runtime.checkpoint import CheckpointError
+from saguaro.runtime.models.checkpoint import CheckpointError
 
 
 def parse_args(argv=None) -> argparse.Namespace:

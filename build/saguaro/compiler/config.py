@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from saguaro.runtime.contracts import draft_cache_capacity
+from saguaro.runtime.core.contracts import draft_cache_capacity
 from saguaro.runtime.engines.onnxruntime_engine import SessionSettings
 from saguaro.runtime.engines.tensorrt_llm_settings import TensorRTLLMSettings
 

@@ -31,7 +31,7 @@ from onnx import TensorProto, helper
 
 from saguaro.plugins.branch_draft import onnx_function as branch_draft_onnx
 from saguaro.plugins.fused_verify import onnx_function as fused_verify_onnx
-from saguaro.runtime.llama import Llama
+from saguaro.runtime.models.llama import Llama
 
 FORWARD_INPUTS = ("input_ids", "position_ids", "attention_mask", "past_keys", "past_values")
 FORWARD_OUTPUTS = ("logits", "present_keys", "present_values")

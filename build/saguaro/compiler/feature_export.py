@@ -42,8 +42,8 @@ from saguaro.compiler.fused_export import (
     skip_norm,
     weight_constant,
 )
-from saguaro.runtime.feature_head import FeatureHead
-from saguaro.runtime.llama import LlamaShape
+from saguaro.runtime.models.feature_head import FeatureHead
+from saguaro.runtime.models.llama import LlamaShape
 
 HIDDEN_INPUT, HIDDEN_OUTPUT = "hidden", "hidden_out"
 FEATURES_INPUT, PROJECTED_OUTPUT = "features", "projected"

@@ -54,7 +54,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from saguaro.runtime.llama import UNSCORED, Features, LlamaShape, rope_inverse_frequencies
+from saguaro.runtime.models.llama import UNSCORED, Features, LlamaShape, rope_inverse_frequencies
 
 MS_DOMAIN = "com.microsoft"
 OPSET = 23  # RMSNormalization

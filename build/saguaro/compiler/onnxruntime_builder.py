@@ -18,8 +18,8 @@ import onnx
 
 from saguaro.compiler import export, feature_export, fused_export
 from saguaro.plugins.fused_verify import onnx_function as fused_verify_onnx
-from saguaro.runtime.checkpoint import read_state_dict
 from saguaro.runtime.engines.onnxruntime_engine import SessionSettings, open_session
+from saguaro.runtime.models.checkpoint import read_state_dict
 
 GRAPHS = {"target": ("model", "fused_verify"), "draft": ("model", "branch_draft")}
 FEATURE_DRAFT_GRAPHS = ("model", "project", "branch_draft")

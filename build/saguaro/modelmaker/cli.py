@@ -22,7 +22,7 @@ from pathlib import Path
 from saguaro.modelmaker import draft_for, feature_draft
 from saguaro.modelmaker.acceptance import format_acceptance
 from saguaro.modelmaker.model_pair import PRESETS, make_pair
-from saguaro.runtime.checkpoint import CheckpointError
+from saguaro.runtime.models.checkpoint import CheckpointError
 
 KIND_FEATURE = feature_draft.KIND
 

@@ -33,9 +33,9 @@ from saguaro.modelmaker.draft_prompts import Prompt, prompt_set
 from saguaro.modelmaker.draft_training import Sequence, agreement, distill
 from saguaro.modelmaker.model_pair import pinned_torch
 from saguaro.modelmaker.train import TrainSettings
-from saguaro.runtime.checkpoint import OUTPUT_VOCAB_KEY, CheckpointError, end_of_generation_ids, load_checkpoint
-from saguaro.runtime.llama import Llama
-from saguaro.runtime.prompts import chat_messages, encode_chat, encode_text, has_chat_template
+from saguaro.runtime.models.checkpoint import OUTPUT_VOCAB_KEY, CheckpointError, end_of_generation_ids, load_checkpoint
+from saguaro.runtime.models.llama import Llama
+from saguaro.runtime.models.prompts import chat_messages, encode_chat, encode_text, has_chat_template
 
 REPORT_FILE = "draft.json"
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from saguaro.modelmaker.acceptance import summarize
 from saguaro.modelmaker.train import TrainSettings, fit
-from saguaro.runtime.llama import Llama
+from saguaro.runtime.models.llama import Llama
 
 
 @dataclass

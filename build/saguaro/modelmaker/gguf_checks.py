@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from saguaro.modelmaker.gguf_import import Inspected, dequantize
-from saguaro.runtime.checkpoint import load_checkpoint, load_tokenizer
+from saguaro.runtime.models.checkpoint import load_checkpoint, load_tokenizer
 
 UNICODE_TEXT = (
     "naïve café, Straße, İstanbul, ΑΒΓ αβγ, Русский, עברית, العربية. 北京是中国的首都。東京は日本の首都です。"

@@ -32,7 +32,7 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 from safetensors.torch import save_file
 
 from saguaro.modelmaker.gguf_tokenizer import GGUFTokenizer, GGUFTokenizerError, build_tokenizer, for_transformers
-from saguaro.runtime.llama import LlamaShape
+from saguaro.runtime.models.llama import LlamaShape
 
 ARCHITECTURES = ("llama",)  # GGUF's "llama" covers Llama 1-3, SmolLM, dense Mistral
 Q = GGMLQuantizationType

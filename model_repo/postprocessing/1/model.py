@@ -1,6 +1,6 @@
 """Triton `postprocessing`: one response's token ids to the text they add.
 
-Stateless by design (saguaro/runtime/detokenizer.py): each response brings the tokens before
+Stateless by design (saguaro/runtime/models/detokenizer.py): each response brings the tokens before
 its own, so a character split across rounds is held back and printed once, whole.
 
 Every output of the ensemble leaves from here (the request's figures pass through), so
@@ -18,7 +18,7 @@ Heartbeats make this work for non-streamed requests too.
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from saguaro.runtime.detokenizer import text_delta
+from saguaro.runtime.models.detokenizer import text_delta
 from saguaro.serving.requests import TextCodec, model_parameters
 
 import json

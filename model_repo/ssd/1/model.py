@@ -2,7 +2,7 @@
 
 Decoupled: `execute` validates each request, hands it to the pipeline's scheduler and
 returns at once. One scheduler thread decodes every active request together, one round
-at a time (`saguaro.runtime.scheduler`): each round verifies all of them in one batched
+at a time (`saguaro.runtime.decoding.scheduler`): each round verifies all of them in one batched
 target forward while the draft pre-speculates for all of them; requests join and leave
 between rounds, and those beyond the KV slots wait in order. Each request's responses go
 out as its rounds complete (`saguaro.serving.responses.start_request`: the round's tokens

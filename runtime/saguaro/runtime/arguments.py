@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from saguaro.runtime.options import MODES, DecodeOptions, parse_budget, parse_fanout
-from saguaro.runtime.sampling import SamplingParams
+from saguaro.runtime.core.options import MODES, DecodeOptions, parse_budget, parse_fanout
+from saguaro.runtime.core.sampling import SamplingParams
 
 DECODE_DEFAULTS = DecodeOptions()
 SAMPLING_DEFAULTS = SamplingParams()

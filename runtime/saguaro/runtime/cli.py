@@ -5,7 +5,7 @@
     python scripts/generate.py --engines engines/smollm2 --chat --prompt "What is the capital of France?"
     python scripts/generate.py --engines engines/bench --prompt "The with statement" --prompt "A class"
 
-Several `--prompt`s are decoded together, their rounds batched (`saguaro.runtime.scheduler`).
+Several `--prompt`s are decoded together, their rounds batched (`saguaro.runtime.decoding.scheduler`).
 
 Every flag is validated before a model loads; a bad value exits with code 2 and a
 message naming it.
@@ -24,7 +24,7 @@ from saguaro.runtime.arguments import (
     decode_options,
     sampling_params,
 )
-from saguaro.runtime.load_policy import PROBE_PERIOD
+from saguaro.runtime.control.load_policy import PROBE_PERIOD
 from saguaro.runtime.pipeline import Pipeline
 
 DEFAULT_MODELS = Path("models/tiny")

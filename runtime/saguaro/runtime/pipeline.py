@@ -13,15 +13,30 @@ from pathlib import Path
 
 import torch
 
-from saguaro.runtime.checkpoint import check_pair_compatible
-from saguaro.runtime.contracts import RequestTarget
-from saguaro.runtime.decoding import Cancelled, Decoder, Generation, OnStart, OnTokens, Request
-from saguaro.runtime.engines import load_engine_pair
+from saguaro.runtime.core.contracts import RequestTarget
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
+from saguaro.runtime.decoding import tensorrt_llm_loop
+from saguaro.runtime.decoding.decoder import Cancelled, Decoder, Generation, OnStart, OnTokens, Request
+from saguaro.runtime.decoding.scheduler import Scheduler
+from saguaro.runtime.engines import REQUEST_LEVEL_BACKENDS, load_engine_tokenizer, open_engine
+from saguaro.runtime.engines.manifest import validate_engine_dir
 from saguaro.runtime.engines.torch_engine import TorchEngine, torch_draft
-from saguaro.runtime.options import DecodeOptions
-from saguaro.runtime.prompts import PromptError, chat_messages, encode_chat, encode_text
-from saguaro.runtime.sampling import SamplingParams
-from saguaro.runtime.scheduler import Scheduler
+from saguaro.runtime.models.checkpoint import check_pair_compatible
+from saguaro.runtime.models.prompts import PromptError, chat_messages, encode_chat, encode_text
+
+
+def open_engine_folder(engine_dir: Path):
+    """`(target, draft)` of a built engine folder, validated first. The loop is chosen here,
+    once: a backend whose target decodes whole requests (TensorRT-LLM) gets its request
+    loop as the target; every other target is an engine the decoding round drives."""
+    manifest = validate_engine_dir(engine_dir)
+    tokenizer = load_engine_tokenizer(engine_dir, manifest)
+    if manifest["backend"] in REQUEST_LEVEL_BACKENDS:
+        target = tensorrt_llm_loop.open_target(engine_dir, manifest, tokenizer)
+    else:
+        target = open_engine(engine_dir, manifest, "target", tokenizer)
+    return target, open_engine(engine_dir, manifest, "draft", tokenizer)
 
 
 class RequestError(ValueError):
@@ -111,7 +126,7 @@ class Pipeline:
         if threads:
             torch.set_num_threads(threads)
         if engines is not None:
-            target_engine, draft_engine = load_engine_pair(engines)
+            target_engine, draft_engine = open_engine_folder(Path(engines))
         elif target is not None and draft is not None:
             target_engine = TorchEngine(target)
             draft_engine = torch_draft(draft, target_engine)

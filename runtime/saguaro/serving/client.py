@@ -23,7 +23,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from saguaro.runtime.arguments import flag_type
-from saguaro.runtime.options import MODES, parse_fanout
+from saguaro.runtime.core.options import MODES, parse_fanout
 
 MODEL = "ensemble"
 # Optional ensemble inputs: name -> numpy dtype (the values' shape is [1, n]). Beyond

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from saguaro.runtime.bench import PROMPTS
+from saguaro.runtime.models.prompts import PROMPTS
 from saguaro.serving.dynamo_worker import MAX_SYSTEM_PORT
 from saguaro.serving.guarded_exec import set_parent_death_signal
 from saguaro.serving.served_metrics import metric

@@ -19,9 +19,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.pipeline import RequestError
-from saguaro.runtime.sampling import SamplingParams
 from saguaro.serving.interface import GUIDED, LOSSLESS, NEUTRAL_ONLY
 from saguaro.serving.requests import ModelLimits
 

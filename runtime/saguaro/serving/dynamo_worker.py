@@ -51,10 +51,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from saguaro.runtime.checkpoint import read_config
 from saguaro.runtime.engines.manifest import read_manifest
+from saguaro.runtime.models.checkpoint import read_config
+from saguaro.runtime.models.prompts import has_chat_template
 from saguaro.runtime.pipeline import Pipeline, RequestError
-from saguaro.runtime.prompts import has_chat_template
 from saguaro.serving import lifecycle
 from saguaro.serving.dynamo_requests import TokenRequest, parse_request
 from saguaro.serving.model_repo import ModelSource, add_source_arguments, default_options, source_from_args

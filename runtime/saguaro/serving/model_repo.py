@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from saguaro.runtime.arguments import DECODE_DEFAULTS, add_decoding_arguments
-from saguaro.runtime.checkpoint import llama_shape, read_config
+from saguaro.runtime.core.options import DecodeOptions, hidden_branch_options
 from saguaro.runtime.engines.calibration import hidden_branches_from_manifest
 from saguaro.runtime.engines.manifest import read_manifest
 from saguaro.runtime.engines.torch_engine import DEFAULT_MAX_CONTEXT as TORCH_MAX_CONTEXT
-from saguaro.runtime.options import DecodeOptions, hidden_branch_options
+from saguaro.runtime.models.checkpoint import llama_shape, read_config
 from saguaro.runtime.pipeline import BATCHING
 
 PLACEHOLDER = re.compile(r"\$\{(\w+)\}")

@@ -16,7 +16,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from saguaro.runtime.options import MODES
+from saguaro.runtime.core.options import MODES
 
 MAX_STOP_STRINGS = 4      # as OpenAI's API
 SEED_LIMIT = 2 ** 64      # the ssd model's seed is a UINT64

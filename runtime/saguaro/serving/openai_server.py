@@ -33,8 +33,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from saguaro.runtime.checkpoint import load_tokenizer
-from saguaro.runtime.prompts import PromptError, encode_chat, encode_text
+from saguaro.runtime.models.checkpoint import load_tokenizer
+from saguaro.runtime.models.prompts import PromptError, encode_chat, encode_text
 from saguaro.serving.openai_protocol import (
     ApiError,
     ChatRequest,

@@ -17,11 +17,11 @@ from typing import Callable
 
 import numpy as np
 
-from saguaro.runtime.checkpoint import load_tokenizer
-from saguaro.runtime.options import DecodeOptions, parse_budget, parse_fanout
+from saguaro.runtime.core.options import DecodeOptions, parse_budget, parse_fanout
+from saguaro.runtime.core.sampling import SamplingParams
+from saguaro.runtime.models.checkpoint import load_tokenizer
+from saguaro.runtime.models.prompts import PromptError, chat_messages, encode_chat, encode_text
 from saguaro.runtime.pipeline import RequestError, RequestNames
-from saguaro.runtime.prompts import PromptError, chat_messages, encode_chat, encode_text
-from saguaro.runtime.sampling import SamplingParams
 from saguaro.serving.interface import refuse_unhonoured
 
 GetInput = Callable[[str], "np.ndarray | None"]  # None when the request lacks the input

@@ -16,8 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from saguaro.runtime.detokenizer import Decode, prefix_window, text_delta
-from saguaro.runtime.stats import GenerationStats
+from saguaro.runtime.core.stats import GenerationStats
+from saguaro.runtime.models.detokenizer import Decode, prefix_window, text_delta
 from saguaro.serving.requests import ServingRequest
 
 Send = Callable[[dict, bool], None]  # (response arrays, whether this is the final response)

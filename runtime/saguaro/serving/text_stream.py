@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from saguaro.runtime.detokenizer import Decode, prefix_window, text_delta
+from saguaro.runtime.models.detokenizer import Decode, prefix_window, text_delta
 
 
 def held_back(text: str, stops: list[str]) -> int:

@@ -12,13 +12,16 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from saguaro.runtime.checkpoint import load_tokenizer, tokenizer_fingerprint
+from saguaro.runtime.models.checkpoint import load_tokenizer, tokenizer_fingerprint
 from saguaro.runtime.engines.manifest import ManifestError, validate_engine_dir
+from saguaro.runtime.engines.tensorrt_llm_settings import TensorRTLLMSettings
 
 BACKEND_MODULES = {"onnxruntime": "saguaro.runtime.engines.onnxruntime_engine",
-                   "tensorrt": "saguaro.runtime.engines.tensorrt_engine",
-                   # the target in TensorRT-LLM, the draft in one of the two above
-                   "tensorrt_llm": "saguaro.runtime.engines.tensorrt_llm_target"}
+                   "tensorrt": "saguaro.runtime.engines.tensorrt_engine"}
+# A backend whose target decodes whole requests itself: its target is a request loop
+# (`saguaro.runtime.decoding.tensorrt_llm_loop`, which `Pipeline.load` opens); only its
+# draft, an engine of one of the backends above, opens here.
+REQUEST_LEVEL_BACKENDS = ("tensorrt_llm",)
 
 
 def load_engine_tokenizer(engine_dir: Path, manifest: dict):
@@ -30,11 +33,23 @@ def load_engine_tokenizer(engine_dir: Path, manifest: dict):
     return tokenizer
 
 
-def backend_module(engine_dir: Path, manifest: dict):
+def backend_module(engine_dir: Path, manifest: dict, role: str):
+    """The module that opens `role`'s engine of a validated folder."""
     backend = manifest["backend"]
+    if backend in REQUEST_LEVEL_BACKENDS:
+        if role == "target":
+            raise ManifestError(f"{engine_dir}: a {backend} target decodes whole requests itself, so it is no "
+                                "engine: open the folder with Pipeline.load")
+        backend = TensorRTLLMSettings.from_manifest(manifest).draft_backend
     if backend not in BACKEND_MODULES:
-        raise ManifestError(f"{engine_dir}: unknown backend {backend!r} (known: {', '.join(BACKEND_MODULES)})")
+        known = ", ".join([*BACKEND_MODULES, *REQUEST_LEVEL_BACKENDS])
+        raise ManifestError(f"{engine_dir}: unknown backend {backend!r} (known: {known})")
     return importlib.import_module(BACKEND_MODULES[backend])
+
+
+def open_engine(engine_dir: Path, manifest: dict, role: str, tokenizer, threads: int | None = None):
+    """One engine of a folder `validate_engine_dir` has checked."""
+    return backend_module(engine_dir, manifest, role).open_engine(engine_dir, role, manifest, tokenizer, threads)
 
 
 def load_engine_pair(engine_dir: str | Path, target_threads: int | None = None,
@@ -45,10 +60,9 @@ def load_engine_pair(engine_dir: str | Path, target_threads: int | None = None,
     Thread counts default to the build config's `session.threads`."""
     engine_dir = Path(engine_dir)
     manifest = validate_engine_dir(engine_dir)
-    module = backend_module(engine_dir, manifest)
     tokenizer = load_engine_tokenizer(engine_dir, manifest)
-    return (module.open_engine(engine_dir, "target", manifest, tokenizer, target_threads),
-            module.open_engine(engine_dir, "draft", manifest, tokenizer, draft_threads))
+    return (open_engine(engine_dir, manifest, "target", tokenizer, target_threads),
+            open_engine(engine_dir, manifest, "draft", tokenizer, draft_threads))
 
 
 def load_draft_engine(engine_dir: str | Path, threads: int | None = None):
@@ -56,5 +70,4 @@ def load_draft_engine(engine_dir: str | Path, threads: int | None = None):
     running in another process loads)."""
     engine_dir = Path(engine_dir)
     manifest = validate_engine_dir(engine_dir)
-    tokenizer = load_engine_tokenizer(engine_dir, manifest)
-    return backend_module(engine_dir, manifest).open_engine(engine_dir, "draft", manifest, tokenizer, threads)
+    return open_engine(engine_dir, manifest, "draft", load_engine_tokenizer(engine_dir, manifest), threads)

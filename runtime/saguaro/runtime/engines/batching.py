@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from saguaro.runtime.contracts import Step, causal_mask
+from saguaro.runtime.core.contracts import Step, causal_mask
 
 
 @dataclass

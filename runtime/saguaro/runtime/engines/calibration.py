@@ -17,7 +17,7 @@ import platform
 import time
 from dataclasses import asdict, dataclass
 
-from saguaro.runtime.costs import forward_cost
+from saguaro.runtime.control.costs import forward_cost
 
 CALIBRATION_CONTEXT = 128  # cached tokens during the timed forwards (capped by the engines' context)
 CALIBRATION_REPEATS = 7

@@ -35,12 +35,12 @@ import onnxruntime as ort
 import torch
 
 from saguaro.plugins.branch_draft.reference import BranchPlan
-from saguaro.runtime.contracts import (EngineInfo, OneSequenceForms, Rows, Step, VerifyResult, VerifyStep,
+from saguaro.runtime.core.contracts import (EngineInfo, OneSequenceForms, Rows, Step, VerifyResult, VerifyStep,
                                        draft_cache_capacity, target_cache_capacity)
 from saguaro.runtime.engines.batching import PackedBatch, pack_steps
 from saguaro.runtime.engines.manifest import engine_info, is_feature_draft
-from saguaro.runtime.kv_cache import KVPool, PooledCache
-from saguaro.runtime.logprobs import verify_result
+from saguaro.runtime.engines.kv_cache import KVPool, PooledCache
+from saguaro.runtime.core.logprobs import verify_result
 
 ALONE_THREADS = 2  # intra-op threads of a model running with the other model idle: both cores
 
@@ -112,7 +112,7 @@ def output_width(session: ort.InferenceSession, name: str) -> int:
 
 class OnnxRuntimeEngine(OneSequenceForms):
     """One model's sessions (`model`, plus `fused_verify` for a target or `branch_draft`
-    for a draft) over a pool of KV slots; see `saguaro.runtime.contracts.Engine`. A target
+    for a draft) over a pool of KV slots; see `saguaro.runtime.core.contracts.Engine`. A target
     whose graph returns `hidden_states` (built for a feature draft) gives them with its rows."""
 
     hidden_output = "hidden_states"  # the model graph's output that rows carry as `Rows.hidden`, if it has it

@@ -34,10 +34,10 @@ from saguaro.plugins.branch_draft.onnx_function import PLAN_OUTPUTS
 from saguaro.plugins.branch_draft.reference import BranchPlan
 from saguaro.plugins.tensorrt_plugins import register_plugins
 from saguaro.plugins.tensorrt_registry import import_tensorrt
-from saguaro.runtime.contracts import EngineInfo, OneSequenceForms, Step, VerifyResult, VerifyStep, causal_mask
+from saguaro.runtime.core.contracts import EngineInfo, OneSequenceForms, Step, VerifyResult, VerifyStep, causal_mask
 from saguaro.runtime.engines.manifest import engine_info
-from saguaro.runtime.logprobs import verify_result
-from saguaro.runtime.kv_cache import VIEW_ALIGNMENT_BYTES, SlotKVCache, aligned_length
+from saguaro.runtime.core.logprobs import verify_result
+from saguaro.runtime.engines.kv_cache import VIEW_ALIGNMENT_BYTES, SlotKVCache, aligned_length
 
 
 def torch_dtype(trt, dtype) -> torch.dtype:

@@ -27,7 +27,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from saguaro.runtime.sampling import SamplingParams
+from saguaro.runtime.core.sampling import SamplingParams
 
 SUPPORTED_TENSORRT_LLM = ((1, 0), (1, 3))  # [lowest, first unchecked)
 TENSORRT_LLM_REQUIREMENT = "tensorrt-llm>=1.0,<1.3"

@@ -10,12 +10,12 @@ import torch
 
 from saguaro.plugins.branch_draft.reference import plan_branches
 from saguaro.plugins.fused_verify.reference import fused_verify
-from saguaro.runtime.checkpoint import load_checkpoint, tokenizer_fingerprint
-from saguaro.runtime.contracts import EngineInfo, EngineLimits, OneSequenceForms, Rows, Step, VerifyResult, VerifyStep
+from saguaro.runtime.models.checkpoint import load_checkpoint, tokenizer_fingerprint
+from saguaro.runtime.core.contracts import EngineInfo, EngineLimits, OneSequenceForms, Rows, Step, VerifyResult, VerifyStep
 from saguaro.runtime.engines.batching import pack_steps
-from saguaro.runtime.feature_head import is_feature_head, load_feature_head
-from saguaro.runtime.kv_cache import KVPool, PooledCache
-from saguaro.runtime.logprobs import verify_result
+from saguaro.runtime.models.feature_head import is_feature_head, load_feature_head
+from saguaro.runtime.engines.kv_cache import KVPool, PooledCache
+from saguaro.runtime.core.logprobs import verify_result
 
 # What a checkpoint run eagerly is sized for (a compiled engine's come from its build).
 DEFAULT_LIMITS = dict(max_draft_tokens=8, max_branches=32, max_batch=8)

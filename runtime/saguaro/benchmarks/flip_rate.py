@@ -37,10 +37,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from saguaro.runtime.bench import CHAT_PROMPTS
-from saguaro.runtime.options import DecodeOptions
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
+from saguaro.runtime.models.prompts import CHAT_PROMPTS
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.runtime.sampling import SamplingParams
 
 SAMPLED = 0.8  # temperature of --sampled
 

@@ -53,8 +53,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from saguaro.runtime.checkpoint import CheckpointError, llama_shape, read_state_dict
-from saguaro.runtime.llama import MLP, UNSCORED, LlamaShape, RMSNorm, apply_rope, attend, rope_cos_sin, rope_inverse_frequencies
+from saguaro.runtime.models.checkpoint import CheckpointError, llama_shape, read_state_dict
+from saguaro.runtime.models.llama import MLP, UNSCORED, LlamaShape, RMSNorm, apply_rope, attend, rope_cos_sin, rope_inverse_frequencies
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"

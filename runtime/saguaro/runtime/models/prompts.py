@@ -39,3 +39,14 @@ def render_chat(tokenizer, messages: list[dict[str, str]]) -> str:
 
 def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)
+
+
+# Prompts the benchmarks and demos share: documentation-style text openings, and chat
+# questions (a user turn each).
+PROMPTS = ["The with statement is used to", "A class definition defines a class object",
+           "Exceptions are raised by", "The import statement", "If the syntax",
+           "Assignment statements are used to", "The for statement is used to iterate",
+           "A function definition defines a user-defined function object"]
+CHAT_PROMPTS = ["What is the capital of France?", "Explain how a rainbow forms.", "Write a haiku about the sea.",
+                "Give me three tips for learning Python.", "Why is the sky blue?", "What is a prime number?",
+                "Describe a cat to someone who has never seen one.", "How do vaccines work?"]

@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from typing import Callable
 from typing import Sequence as Seq
 
-from saguaro.runtime.contracts import Draft, SpeculationCache, VerifyResult, VerifyStep, draft_cache_capacity
-from saguaro.runtime.load_policy import Acceptance, LoadPolicy, Plan
-from saguaro.runtime.options import DecodeOptions
-from saguaro.runtime.rounds import take_speculation
-from saguaro.runtime.sampling import SamplingParams
-from saguaro.runtime.speculator import Speculator, empty_draft, lockstep
-from saguaro.runtime.stats import GenerationStats, stopwatch
-from saguaro.runtime.verifier import Verifier
+from saguaro.runtime.control.load_policy import Acceptance, LoadPolicy, Plan
+from saguaro.runtime.core.contracts import Draft, SpeculationCache, VerifyResult, VerifyStep, draft_cache_capacity
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
+from saguaro.runtime.core.stats import GenerationStats, stopwatch
+from saguaro.runtime.decoding.rounds import take_speculation
+from saguaro.runtime.decoding.speculator import Speculator, empty_draft, lockstep
+from saguaro.runtime.decoding.verifier import Verifier
 
 OnTokens = Callable[[list[int]], None]
 Cancelled = Callable[[], bool]
@@ -46,7 +46,7 @@ class Request:
     on_tokens: OnTokens | None = None
     cancelled: Cancelled = lambda: False
     # Given a list, each committed token's log-probability under the target is appended
-    # to it (before `on_tokens` hears of the token); see `saguaro.runtime.logprobs`.
+    # to it (before `on_tokens` hears of the token); see `saguaro.runtime.core.logprobs`.
     logprobs: list[float] | None = None
     # Told once, when the request joins a batch, of the stats its rounds will update.
     on_start: OnStart | None = None

@@ -31,9 +31,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from saguaro.runtime.bench import PROMPTS, int_list
+from saguaro.benchmarks.bench import int_list
+from saguaro.benchmarks.load_bench import percentile
+from saguaro.runtime.models.prompts import PROMPTS
 from saguaro.serving.dynamo_cluster import LocalCluster
-from saguaro.serving.load_bench import percentile
 
 STREAMS = (1, 2, 4, 8, 16)
 

@@ -28,8 +28,8 @@ from typing import Generator, Sequence
 import torch
 
 from saguaro.plugins.branch_draft.reference import commit_indices, feasible_fanout, step_mask
-from saguaro.runtime.contracts import Draft, Rows, SpeculationCache, Step
-from saguaro.runtime.sampling import SaguaroSampling, SamplingParams, pick_tokens
+from saguaro.runtime.core.contracts import Draft, Rows, SpeculationCache, Step
+from saguaro.runtime.core.sampling import SaguaroSampling, SamplingParams, pick_tokens
 
 Forwards = Generator[Step, Rows, object]  # yields steps, receives their rows
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from saguaro.runtime.contracts import Draft, Step, VerifyResult, VerifyStep, target_cache_capacity
-from saguaro.runtime.sampling import SamplingParams, verification_uniforms
+from saguaro.runtime.core.contracts import Draft, Step, VerifyResult, VerifyStep, target_cache_capacity
+from saguaro.runtime.core.sampling import SamplingParams, verification_uniforms
 
 
 class Verifier:

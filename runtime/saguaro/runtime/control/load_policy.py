@@ -61,8 +61,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from saguaro.runtime.contracts import Step
-from saguaro.runtime.stats import stopwatch
+from saguaro.runtime.core.contracts import Step
+from saguaro.runtime.core.stats import stopwatch
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96)  # tokens or rows per forward
 CALIBRATION_CONTEXT = 64                # cached tokens behind them (at most half the context)

@@ -32,7 +32,6 @@ else here runs and is tested without it, against stand-ins of each version's API
 """
 from __future__ import annotations
 
-import importlib
 import os
 import threading
 import time
@@ -42,17 +41,17 @@ from pathlib import Path
 
 import torch
 
-from saguaro.runtime.contracts import Draft, EngineInfo, VerifyResult, draft_cache_capacity
-from saguaro.runtime.decoding import Generation, Output, Request, finish
-from saguaro.runtime.engines import BACKEND_MODULES, load_draft_engine
+from saguaro.runtime.core.contracts import Draft, EngineInfo, VerifyResult, draft_cache_capacity
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
+from saguaro.runtime.core.stats import GenerationStats
+from saguaro.runtime.decoding.decoder import Generation, Output, Request, finish
+from saguaro.runtime.decoding.rounds import DraftRounds
+from saguaro.runtime.decoding.speculator import Speculator
+from saguaro.runtime.engines import load_draft_engine
 from saguaro.runtime.engines.manifest import ManifestError, engine_info, sha256_file
 from saguaro.runtime.engines.tensorrt_llm_api import TensorRTLLMApi, import_tensorrt_llm, request_sampling
 from saguaro.runtime.engines.tensorrt_llm_settings import TensorRTLLMSettings
-from saguaro.runtime.options import DecodeOptions
-from saguaro.runtime.rounds import DraftRounds
-from saguaro.runtime.sampling import SamplingParams
-from saguaro.runtime.speculator import Speculator
-from saguaro.runtime.stats import GenerationStats
 
 # The decoding knobs the drafter is built with; one started target serves only these.
 FIXED_OPTIONS = ("mode", "num_draft_tokens", "fanout", "budget", "saguaro_factor", "prespeculate")
@@ -335,13 +334,11 @@ def check_target_checkpoint(checkpoint: Path, manifest: dict) -> None:
                             "(its config.json differs); rebuild the engines")
 
 
-def open_engine(engine_dir: Path, role: str, manifest: dict, tokenizer, threads: int | None = None):
-    """The target (TensorRT-LLM, from the checkpoint) or the draft (its own backend's engine)."""
+def open_target(engine_dir: Path, manifest: dict, tokenizer) -> "TensorRTLLMTarget":
+    """The target of a tensorrt_llm engine folder, from the checkpoint it was built against
+    (its draft is an ordinary engine: `engines.open_engine`)."""
     settings = TensorRTLLMSettings.from_manifest(manifest)
-    if role == "draft":
-        backend = importlib.import_module(BACKEND_MODULES[settings.draft_backend])
-        return backend.open_engine(engine_dir, role, manifest, tokenizer, threads)
     checkpoint = Path(manifest["models"]["target"]["checkpoint"])
     check_target_checkpoint(checkpoint, manifest)
-    info = engine_info("tensorrt_llm", engine_dir, role, manifest)
+    info = engine_info("tensorrt_llm", engine_dir, "target", manifest)
     return TensorRTLLMTarget(engine_dir, checkpoint, settings, info, tokenizer)

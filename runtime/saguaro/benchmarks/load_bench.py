@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from saguaro.benchmarks.cpu_profile import server_processes, snapshot, spent
 from saguaro.runtime.arguments import DECODE_DEFAULTS
-from saguaro.runtime.bench import PROMPTS
+from saguaro.runtime.models.prompts import PROMPTS
 from saguaro.serving.client import complete, ensemble_inputs, tensor
-from saguaro.serving.cpu_profile import server_processes, snapshot, spent
 from saguaro.serving.launch import Ports, serve
 from saguaro.serving.launch import parse_args as serve_args
 from saguaro.serving.model_repo import values_from_args

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from saguaro.plugins.probs import logits_to_probs
-from saguaro.runtime.contracts import VerifyResult, VerifyStep
-from saguaro.runtime.sampling import SamplingParams
+from saguaro.runtime.core.contracts import VerifyResult, VerifyStep
+from saguaro.runtime.core.sampling import SamplingParams
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], sampling: SamplingParams) -> tuple[float, ...]:

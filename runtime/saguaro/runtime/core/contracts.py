@@ -28,7 +28,7 @@ from typing import ContextManager, NamedTuple, Protocol, Sequence, runtime_check
 import torch
 
 from saguaro.plugins.branch_draft.reference import BranchPlan
-from saguaro.runtime.sampling import SamplingParams
+from saguaro.runtime.core.sampling import SamplingParams
 
 
 def draft_cache_capacity(max_context: int, max_branches: int, num_draft_tokens: int) -> int:
@@ -148,7 +148,7 @@ class VerifyStep:
 class VerifyResult:
     """A round's outcome: `accepted` drafts (0..K), then the target's `bonus` token; with
     `logprobs` asked for, the target's log-probability of each of those `accepted + 1`
-    tokens (`saguaro.runtime.logprobs`); from a target with feature layers, their hidden
+    tokens (`saguaro.runtime.core.logprobs`); from a target with feature layers, their hidden
     states at the `accepted + 1` positions whose next token was committed (`[last,
     d_1..d_accepted]`), for a feature draft."""
 

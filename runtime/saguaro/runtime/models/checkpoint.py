@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from saguaro.runtime.llama import Llama, LlamaShape
+from saguaro.runtime.models.llama import Llama, LlamaShape
 
 SUPPORTED_ROPE_TYPES = ("default", None, "linear", "llama3")
 ROPE_SCALING_KEYS = {"linear": ("factor",),

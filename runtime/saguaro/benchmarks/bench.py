@@ -23,9 +23,8 @@ import json
 import sys
 from pathlib import Path
 
-from saguaro.runtime.arguments import DECODE_DEFAULTS, flag_type
-from saguaro.runtime.assisted import transformers_timings
-from saguaro.runtime.engine_suite import (
+from saguaro.benchmarks.assisted import transformers_timings
+from saguaro.benchmarks.engine_suite import (
     CONTEXTS,
     PREFILL_TOKENS,
     TREE_BRANCHES,
@@ -34,19 +33,14 @@ from saguaro.runtime.engine_suite import (
     new_report,
     run_suite,
 )
+from saguaro.benchmarks.placement import PLACEMENTS, placement_pipeline, unpin_this_thread
+from saguaro.runtime.arguments import DECODE_DEFAULTS, flag_type
+from saguaro.runtime.core.options import DecodeOptions, parse_budget, parse_fanout
+from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.engines.manifest import read_manifest
-from saguaro.runtime.options import DecodeOptions, parse_budget, parse_fanout
+from saguaro.runtime.models.prompts import CHAT_PROMPTS, PROMPTS
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.runtime.placement import PLACEMENTS, placement_pipeline, unpin_this_thread
-from saguaro.runtime.sampling import SamplingParams
 
-PROMPTS = ["The with statement is used to", "A class definition defines a class object",
-           "Exceptions are raised by", "The import statement", "If the syntax",
-           "Assignment statements are used to", "The for statement is used to iterate",
-           "A function definition defines a user-defined function object"]
-CHAT_PROMPTS = ["What is the capital of France?", "Explain how a rainbow forms.", "Write a haiku about the sea.",
-                "Give me three tips for learning Python.", "Why is the sky blue?", "What is a prime number?",
-                "Describe a cat to someone who has never seen one.", "How do vaccines work?"]
 ROUND_CONTEXT = 128  # cached tokens of the default run's engine-level costs
 
 

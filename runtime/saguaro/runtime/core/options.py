@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from saguaro.runtime.budget import AdaptiveBudget, OnlineBudget, StaticFanout
-from saguaro.runtime.sampling import SaguaroSampling, SamplingParams
+from saguaro.runtime.control.budget import AdaptiveBudget, OnlineBudget, StaticFanout
+from saguaro.runtime.core.sampling import SaguaroSampling, SamplingParams
 
 MODES = ("autoregressive", "speculative", "ssd")
 DEFAULT_FANOUT = (3,)  # the official code's static default: 3 candidates at every depth

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from concurrent.futures import Executor, Future
 
-from saguaro.runtime.budget import bonus_rank
-from saguaro.runtime.contracts import Draft, SpeculationCache, VerifyResult
-from saguaro.runtime.speculator import Speculator, lockstep
-from saguaro.runtime.stats import GenerationStats, timed
+from saguaro.runtime.control.budget import bonus_rank
+from saguaro.runtime.core.contracts import Draft, SpeculationCache, VerifyResult
+from saguaro.runtime.core.stats import GenerationStats, timed
+from saguaro.runtime.decoding.speculator import Speculator, lockstep
 
 
 def take_speculation(speculator: Speculator, policy, stats: GenerationStats, ids: list[int], drafted,

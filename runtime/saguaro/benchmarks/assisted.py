@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from saguaro.runtime.stats import stopwatch
+from saguaro.runtime.core.stats import stopwatch
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Callable
 
-from saguaro.runtime.decoding import Decoder, Request, Sequence
+from saguaro.runtime.decoding.decoder import Decoder, Request, Sequence
 
 OnRound = Callable[[list[Sequence]], None]  # told of each round's batch, after it ran
 

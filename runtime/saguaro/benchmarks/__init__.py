@@ -1,0 +1,1 @@
+"""Benchmarks: nothing in the product imports them."""

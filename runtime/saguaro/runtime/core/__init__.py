@@ -1,0 +1,1 @@
+"""Core contracts every layer shares: engine protocols, sampling, decoding options, statistics."""

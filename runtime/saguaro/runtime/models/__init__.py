@@ -1,0 +1,1 @@
+"""The model: Llama-family checkpoints, the EAGLE-3 feature head, tokenizer-side helpers."""
