@@ -37,3 +37,15 @@ def test_bench_needs_engines_for_the_engine_suite_and_placement(tmp_path):
         result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), flag],
                                 capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert result.returncode == 2 and "need --engines DIR" in result.stderr
+
+
+def test_placement_runs_every_placement_and_reports_both_modes(tiny_engines, tmp_path):
+    figures = tmp_path / "placement.json"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--engines", str(tiny_engines),
+                             "--placement", "--rounds", "1", "--prompts", "1", "--max-tokens", "4",
+                             "--json", str(figures)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    placements = json.loads(figures.read_text())["placements"]
+    assert len(placements) >= 2  # every placement ran (each pipeline closed before the next opens)
+    assert all(speeds and all(len(v) == 1 and v[0] > 0 for v in speeds.values()) for speeds in placements.values())

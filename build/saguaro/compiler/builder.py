@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import onnx
 import onnxruntime
@@ -26,7 +27,7 @@ from tqdm.auto import tqdm
 
 from saguaro.compiler import export, onnxruntime_builder
 from saguaro.compiler.config import BuildConfig, ConfigError, config_to_dict
-from saguaro.compiler.tensorrt_builder import EXPORT_DTYPES, TensorRTBuildOptions, build_engine, manifest_entry
+from saguaro.compiler.tensorrt_builder import EXPORT_DTYPES, DimRange, TensorRTBuildOptions, build_engine, manifest_entry
 from saguaro.plugins.tensorrt_registry import import_tensorrt
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.calibration import measure_calibration
@@ -42,7 +43,8 @@ from saguaro.runtime.models.checkpoint import (
     read_state_dict,
     tokenizer_fingerprint,
 )
-from saguaro.runtime.models.feature_head import head_shape, is_feature_head, load_feature_head
+from saguaro.runtime.models.feature_head import FeatureHeadShape, head_shape, is_feature_head, load_feature_head
+from saguaro.runtime.models.llama import LlamaShape
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
@@ -76,7 +78,7 @@ class Source:
     role: str
     path: Path
     config: dict
-    shape: object  # runtime.llama.LlamaShape; a feature head's runtime.feature_head.FeatureHeadShape
+    shape: LlamaShape | FeatureHeadShape  # a feature head's: FeatureHeadShape
     tokenizer: object
     fingerprint: str
     feature_layers: tuple[int, ...] = ()  # a target's: the layers its feature draft reads
@@ -113,7 +115,7 @@ def inspect_feature_head(path: Path, target: Source) -> Source:
     """A feature head (EAGLE-3) for `target`: its shape, checked to fit the target."""
     config = read_config(path)
     try:
-        shape = head_shape(config, target.shape, f"draft feature head {str(path)!r}")
+        shape = head_shape(config, cast(LlamaShape, target.shape), f"draft feature head {str(path)!r}")
     except ValueError as error:
         raise CheckpointError(str(error)) from error
     if not list(path.glob("*.safetensors")):
@@ -128,7 +130,7 @@ def inspect_sources(config: BuildConfig) -> list[Source]:
     if not is_feature_head(config.draft):
         return [target, inspect_checkpoint("draft", config.draft)]
     draft = inspect_feature_head(config.draft, target)
-    target = dataclasses.replace(target, feature_layers=draft.shape.feature_layers)
+    target = dataclasses.replace(target, feature_layers=cast(FeatureHeadShape, draft.shape).feature_layers)
     return [target, dataclasses.replace(draft, target=target)]
 
 
@@ -206,8 +208,9 @@ def export_model(config: BuildConfig, source: Source, folder: Path, work: Path) 
 
 def load_head(source: Source):
     """A feature head's weights, sharing its target's embedding table."""
+    assert source.target is not None  # called for a feature head only
     embed_tokens = read_state_dict(source.target.path)["model.embed_tokens.weight"]
-    return load_feature_head(source.path, source.target.shape, embed_tokens)
+    return load_feature_head(source.path, cast(LlamaShape, source.target.shape), embed_tokens)
 
 
 def build_backend(config: BuildConfig, path: Path, shape) -> Path:
@@ -230,7 +233,7 @@ def tensorrt_options(config: BuildConfig, vocab_size: int, graph: str) -> Tensor
     longest_query = max(config.max_context, k + 1, config.max_branches)
     query = (1, k + 1, k + 1) if graph == "verify" else (1, 1, longest_query)
     dims = {"batch": (1, 1, config.max_batch), "n": query, "past": (0, typical, cache),
-            "total": tuple(p + n for p, n in zip((0, typical, cache), query)),
+            "total": cast(DimRange, tuple(p + n for p, n in zip((0, typical, cache), query))),
             "k": (0, k, k), "k_plus_1": (1, k + 1, k + 1), "vocab": (vocab_size,) * 3}
     return TensorRTBuildOptions(dim_ranges=dims, precision=config.precision)
 

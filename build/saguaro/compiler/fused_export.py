@@ -69,7 +69,7 @@ MODEL_INPUTS = ("input_ids", "position_ids", "seqlens_k", "total_sequence_length
 class GraphWriter:
     """Nodes and initializers of one graph, with unique node names."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import onnx
 
@@ -153,7 +154,8 @@ class TensorRTBuildOptions:
     def from_mapping(cls, config: Mapping) -> "TensorRTBuildOptions":
         """From a build config section: `dims: {name: [min, opt, max]}`, `precision`,
         `workspace_gib`."""
-        dims = {name: tuple(int(v) for v in values) for name, values in config.get("dims", {}).items()}
+        # (min, opt, max) each: __post_init__ unpacks three
+        dims = {name: cast(DimRange, tuple(int(v) for v in values)) for name, values in config.get("dims", {}).items()}
         return cls(dim_ranges=dims, precision=config.get("precision", "fp32"),
                    workspace_bytes=int(float(config.get("workspace_gib", 4)) * (1 << 30)))
 
@@ -172,7 +174,7 @@ def profile_shapes(model: onnx.ModelProto, dim_ranges: Mapping[str, DimRange]) -
         dims = graph_input.type.tensor_type.shape.dim
         if all(dim.HasField("dim_value") for dim in dims):
             continue
-        ranges = []
+        ranges: list[tuple[int, ...]] = []
         for index, dim in enumerate(dims):
             if dim.HasField("dim_value"):
                 ranges.append((dim.dim_value,) * 3)

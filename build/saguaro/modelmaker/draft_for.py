@@ -24,18 +24,22 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from saguaro.modelmaker.draft_prompts import Prompt, prompt_set
-from saguaro.modelmaker.draft_training import Sequence, agreement, distill
+from saguaro.modelmaker.draft_training import Sequence, agreement, distill, output_rows_of
 from saguaro.modelmaker.model_pair import pinned_torch
 from saguaro.modelmaker.train import TrainSettings
 from saguaro.runtime.models.checkpoint import OUTPUT_VOCAB_KEY, CheckpointError, end_of_generation_ids, load_checkpoint
 from saguaro.runtime.models.llama import Llama
 from saguaro.runtime.models.prompts import chat_messages, encode_chat, encode_text, has_chat_template
+
+if TYPE_CHECKING:  # a feature draft's answers are counted here too
+    from saguaro.modelmaker.feature_draft import Answer
 
 REPORT_FILE = "draft.json"
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -105,7 +109,8 @@ def target_generations(target, tokenizer, prompts: list[Prompt], new_tokens: int
     return sequences
 
 
-def output_vocabulary(sequences: list[Sequence], size: int, vocab_size: int, always: tuple[int, ...]) -> torch.Tensor:
+def output_vocabulary(sequences: list[Sequence] | list[Answer], size: int, vocab_size: int,
+                      always: tuple[int, ...]) -> torch.Tensor:
     """The `size` token ids the draft scores: end-of-generation tokens, then the target's
     outputs by frequency, then prompt tokens, then the lowest ids (in a BPE vocabulary,
     the earliest merges: the commonest pieces)."""
@@ -134,7 +139,7 @@ def pruned_draft(target: Llama, layers: list[int], vocab_ids: torch.Tensor) -> L
         for mine, theirs in zip(draft.model.layers, layers):
             mine.load_state_dict(target.model.layers[theirs].state_dict())
         draft.lm_head.weight.copy_(target.lm_head.weight[vocab_ids])
-        draft.output_rows[vocab_ids] = torch.arange(len(vocab_ids))
+        output_rows_of(draft)[vocab_ids] = torch.arange(len(vocab_ids))
     draft.model.embed_tokens.weight.requires_grad_(False)  # shared with the target, never trained
     return draft
 
@@ -214,7 +219,7 @@ def make_draft_for(target_dir: str | Path, out: str | Path, settings: DraftSetti
     return report
 
 
-def coverage(sequences: list[Sequence], vocab_ids: torch.Tensor) -> float:
+def coverage(sequences: list[Sequence] | list[Answer], vocab_ids: torch.Tensor) -> float:
     """Share of held-out target tokens the draft can propose at all."""
     tokens = torch.tensor([t for s in sequences for t in s.continuation])
     return float(torch.isin(tokens, vocab_ids).float().mean())

@@ -9,6 +9,7 @@ measured teacher-forced along held-out continuations, as `acceptance` does for p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -59,10 +60,16 @@ def batch_of(sequences: list[Sequence], output_rows: torch.Tensor, unscored: int
         rows = output_rows[torch.tensor(s.continuation)]
         labels[row, s.start:end] = torch.where(rows == unscored, -100, rows)
         if s.top_ids is not None:
+            assert s.top_logprobs is not None  # recorded with the top ids
             soft_rows[row, s.start:end] = output_rows[s.top_ids[:, :soft_top]]
             soft_probs[row, s.start:end] = s.top_logprobs[:, :soft_top].exp()
     mask = torch.ones(width, width, dtype=torch.bool).tril().expand(count, width, width)
     return Batch(ids, mask, torch.arange(width).expand(count, width), labels, soft_rows, soft_probs)
+
+
+def output_rows_of(model: torch.nn.Module) -> torch.Tensor:
+    """A draft's `output_rows` buffer, typed (an `nn.Module` attribute reads as Tensor | Module)."""
+    return cast(torch.Tensor, model.output_rows)
 
 
 def empty_past(model: Llama, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +102,7 @@ def distill(draft: Llama, sequences: list[Sequence], train: TrainSettings, soft_
 
     def batch_loss() -> torch.Tensor:
         picks = torch.randint(len(sequences), (train.batch_size,), generator=draws).tolist()
-        batch = batch_of([sequences[i] for i in picks], draft.output_rows, draft.shape.output_vocab, soft_top)
+        batch = batch_of([sequences[i] for i in picks], output_rows_of(draft), draft.shape.output_vocab, soft_top)
         return distillation_step_loss(draft, batch, soft_weight)
 
     return fit(draft, train, batch_loss, progress, "draft")
@@ -107,7 +114,7 @@ def agreement(draft: Llama, sequences: list[Sequence], k: int) -> dict:
     draft.eval()
     matches = []
     for s in sequences:
-        batch = batch_of([s], draft.output_rows, draft.shape.output_vocab)
+        batch = batch_of([s], output_rows_of(draft), draft.shape.output_vocab)
         logits, _, _ = draft.forward_concat(batch.ids, batch.positions, batch.mask, *empty_past(draft, 1))
         guesses = logits[0, s.start - 1:len(s.ids) - 1].argmax(-1)
         matches.append((guesses == torch.tensor(s.continuation)).tolist())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -125,8 +126,9 @@ def check_import(source: Inspected, checkpoint_dir: Path) -> dict:
     tokenizer = load_tokenizer(checkpoint_dir)
     chat = chat_template(tokenizer)
     prompt = chat["rendered"] if chat["present"] else CHAT_QUESTION
-    checks = {"round_trip": round_trip(tokenizer, check_text()), "chat_template": chat,
-              "logits": compare_logits(source, checkpoint_dir, tokenizer.encode(prompt, add_special_tokens=False))}
+    checks: dict[str, Any] = {
+        "round_trip": round_trip(tokenizer, check_text()), "chat_template": chat,
+        "logits": compare_logits(source, checkpoint_dir, tokenizer.encode(prompt, add_special_tokens=False))}
     checks["passed"] = (checks["round_trip"]["equal"] and not checks["round_trip"]["unknown_ids"]
                         and (not chat["present"] or chat["round_trip"]) and checks["logits"]["within_tolerance"])
     return checks

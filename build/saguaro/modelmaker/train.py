@@ -268,6 +268,7 @@ def distill_draft(
         pool_rows = train.batch_size - corpus_rows
         picks = torch.randint(len(continuations), (pool_rows,), generator=draws)
         batch = torch.cat([windows, continuations[picks]])
+        assert pad_id is not None  # `llama_config` takes the tokenizer's <pad>
         valid = (batch != pad_id).float()
         with torch.no_grad():
             target_logits = target(input_ids=batch).logits

@@ -40,7 +40,7 @@ def onnx_type(dtype: str) -> int:
 
 def dtype_of(onnx_elem_type: int) -> str:
     """The signature's name for an ONNX element type."""
-    names = {code: name for name, code in ONNX_TYPES.items()}
+    names: dict[int, str] = {code: name for name, code in ONNX_TYPES.items()}
     if onnx_elem_type not in names:
         raise ValueError(f"element type {TensorProto.DataType.Name(onnx_elem_type)} has no plugin type name")
     return names[onnx_elem_type]

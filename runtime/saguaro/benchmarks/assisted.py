@@ -12,6 +12,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -59,7 +60,7 @@ def generate_timed(model, prompt: list[int], max_tokens: int, **extra) -> float:
 def transformers_timings(target_dir: Path, draft_dir: Path, prompts: list[list[int]],
                          max_tokens: int) -> dict[str, Timing]:
     """Greedy `generate` alone and with the draft as its assistant, on every prompt."""
-    with torch_threads(os.cpu_count()):
+    with torch_threads(cast(int, os.cpu_count())):  # None only where the count is unknown
         target, draft = load_model(target_dir), load_model(draft_dir)
         rows = {"transformers greedy": {}, "transformers assisted": {"assistant_model": draft}}
         timings = {}

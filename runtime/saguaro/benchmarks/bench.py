@@ -150,7 +150,7 @@ def checkpoints_for_assisted(args) -> tuple[Path, Path] | None:
     if not args.assisted:
         return None
     models = read_manifest(args.engines)["models"]
-    paths = tuple(Path(models[role]["checkpoint"]) for role in ("target", "draft"))
+    paths = (Path(models["target"]["checkpoint"]), Path(models["draft"]["checkpoint"]))
     missing = [str(p) for p in paths if not p.is_dir()]
     if missing:
         print(f"--assisted: checkpoint {missing[0]} (from the manifest) does not exist; no transformers rows")
@@ -192,6 +192,7 @@ def run_modes(args) -> dict:
         figures["modes"][name] = totals
     checkpoints = checkpoints_for_assisted(args)
     if checkpoints is not None and args.temperature == 0:
+        assert baseline is not None  # mode_options gives every run its modes
         for name, timing in transformers_timings(*checkpoints, prompts, args.max_tokens).items():
             print(transformers_row(name, timing, baseline, len(prompts)))
             figures["modes"][name] = {"tokens": timing.tokens, "total_s": timing.total_s,
@@ -211,7 +212,7 @@ def run_placements(args) -> dict:
     modes = {"ssd": DecodeOptions(mode="ssd", num_draft_tokens=k, fanout=args.fanout, budget=args.budget, **options),
              "autoregressive": DecodeOptions(mode="autoregressive", **options)}
     sampling = SamplingParams(temperature=args.temperature, seed=0)
-    speeds = {p.name: {mode: [] for mode in modes} for p in PLACEMENTS}
+    speeds: dict[str, dict[str, list[float]]] = {p.name: {mode: [] for mode in modes} for p in PLACEMENTS}
     for _ in range(args.rounds):
         for placement in PLACEMENTS:
             pipeline = placement_pipeline(args.engines, placement)
@@ -221,7 +222,7 @@ def run_placements(args) -> dict:
                     speeds[placement.name][mode].append(
                         run_mode(pipeline, prompts, decode, sampling)["decode_tokens_per_s"])
             finally:
-                pipeline.decoder.close()
+                pipeline.close()  # its scheduler threads and decoders
                 unpin_this_thread()
     print_placements(args, speeds)
     return {"placements": speeds}

@@ -51,13 +51,14 @@ def compare(folders: list[Path], repeats: int, context: int) -> list[tuple[str, 
     rows = []
     for name, role, tokens in FORWARDS:
         timers = [timed_forward(pair[role], context, tokens) for pair in pairs]
-        seconds = [[], []]
+        seconds: list[list[float]] = [[], []]
         for _ in range(repeats):
             for index, (_, call) in enumerate(timers):
                 seconds[index].append(call())
         for cache, _ in timers:
             cache.release()
-        rows.append((name, *(statistics.median(s) * 1e3 for s in seconds)))
+        first, second = (statistics.median(s) * 1e3 for s in seconds)
+        rows.append((name, first, second))
     return rows
 
 

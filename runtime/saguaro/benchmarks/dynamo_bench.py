@@ -102,6 +102,7 @@ def worker_totals(cluster: LocalCluster) -> list[dict[str, float]]:
 
 
 def measure(cluster: LocalCluster, workers: int, streams: int, requests: int, max_tokens: int) -> Level:
+    assert cluster.model_name is not None  # LocalCluster.__post_init__ sets it
     before = worker_totals(cluster)
     timed, seconds = asyncio.run(run_streams(cluster.url, cluster.model_name, streams, requests, max_tokens))
     after = worker_totals(cluster)

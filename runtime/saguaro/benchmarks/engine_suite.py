@@ -18,6 +18,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import onnx
@@ -239,7 +240,9 @@ def run_suite(engine_dir: str | Path, thread_counts: tuple[int | None, ...] = (N
                      engine_dir)
         if index == 0:
             report.stored_hidden_branches = target.info.hidden_budget(k)
-            report.memory = MemoryFigures(before, loaded, resident(), *(e.file_bytes for e in report.engines))
+            # measure_pair had the engine folder: with_files gave every engine its file_bytes
+            file_bytes = cast("list[int]", [e.file_bytes for e in report.engines])
+            report.memory = MemoryFigures(before, loaded, resident(), *file_bytes)
         del target, draft
     return report
 
@@ -287,6 +290,7 @@ def hidden_table(report: SuiteReport) -> list[str]:
 
 def memory_table(report: SuiteReport) -> list[str]:
     m = report.memory
+    assert m is not None  # format_report asks only when the report has memory figures
 
     def added(stage: Resident, kind: str) -> float:
         return (getattr(stage, kind) - getattr(m.before, kind)) / MB

@@ -36,6 +36,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
@@ -92,7 +93,7 @@ def decode_all(pipeline: Pipeline, prompts, options: DecodeOptions | list[Decode
                seeds: list[int] | None = None) -> tuple[list[list[int]], Counter]:
     """Every prompt decoded (with its own options when given a list), `batch` requests
     submitted together; the K of every round."""
-    rounds = Counter()
+    rounds: Counter[int] = Counter()
     pipeline.observe_rounds(lambda sequences: rounds.update(s.verified for s in sequences))
     outputs = []
     for start in range(0, len(prompts), batch):
@@ -124,7 +125,8 @@ def greedy_flips(pipeline: Pipeline, prompts, args) -> list[Comparison]:
     common = dict(max_tokens=args.max_tokens, eos_token_id=-1)
     reference = DecodeOptions(mode="autoregressive", **common)
     policy = DecodeOptions(mode="ssd", num_draft_tokens=args.num_draft_tokens, fanout=(3,), adapt_k=True, **common)
-    most, branches = pipeline.target.info.max_draft_tokens or 8, pipeline.draft.info.max_branches or 32
+    target, draft = cast(Any, pipeline.target), cast(Any, pipeline.draft)  # Engines (Pipeline types them object)
+    most, branches = target.info.max_draft_tokens or 8, draft.info.max_branches or 32
     ks = [1 + index % most for index in range(len(prompts))]
     pinned = [DecodeOptions(mode="ssd", num_draft_tokens=k, fanout=(max(1, min(3, branches // (k + 1))),), **common)
               for k in ks]
@@ -169,7 +171,8 @@ def chat_equalities(pipeline: Pipeline, args) -> list[dict]:
 
 def describe(args, pipeline: Pipeline) -> str:
     source = args.engines or f"{args.target} + {args.draft}"
-    return f"{source} ({pipeline.target.info.backend})"
+    target = cast(Any, pipeline.target)  # an Engine (Pipeline types it object)
+    return f"{source} ({target.info.backend})"
 
 
 def parse_args(argv=None):

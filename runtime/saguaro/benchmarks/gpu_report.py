@@ -20,7 +20,7 @@ STACK = ("torch", "tensorrt", "triton", "onnxruntime", "onnx", "transformers", "
 
 def versions() -> dict:
     """Each package of the GPU stack with its version, or why it is not there."""
-    found = {"python": sys.version.split()[0]}
+    found: dict[str, str | None] = {"python": sys.version.split()[0]}  # torch.version.cuda is None on CPU builds
     for name in STACK:
         try:
             found[name] = importlib.import_module(name).__version__

@@ -16,6 +16,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from saguaro.runtime.engines import load_engine_tokenizer
 from saguaro.runtime.engines.manifest import validate_engine_dir
@@ -49,7 +50,8 @@ class PinnedEngine:
     its first call. Everything else is the engine's own."""
 
     def __init__(self, engine, cores: set[int]):
-        self._engine, self._cores, self._pinned = engine, cores, set()
+        self._engine, self._cores = engine, cores
+        self._pinned: set[int] = set()  # the threads (native ids) already pinned
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -93,11 +95,11 @@ def open_pair(engine_dir: Path, placement: Placement):
 
 
 def placement_pipeline(engine_dir: Path, placement: Placement) -> Pipeline:
-    if placement.pin_callers and os.cpu_count() < 2:
+    if placement.pin_callers and cast(int, os.cpu_count()) < 2:
         raise ValueError("pinning the target and the draft to cores 0 and 1 needs two cores")
     return Pipeline(*open_pair(engine_dir, placement))
 
 
 def unpin_this_thread() -> None:
     """Back on every core (a pinned placement pinned the caller)."""
-    os.sched_setaffinity(0, range(os.cpu_count()))
+    os.sched_setaffinity(0, range(cast(int, os.cpu_count())))

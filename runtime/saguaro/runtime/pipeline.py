@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from saguaro.runtime.core.contracts import RequestTarget
+from saguaro.runtime.core.contracts import Engine, RequestTarget
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.decoding import tensorrt_llm_loop
@@ -64,8 +64,8 @@ class Pipeline:
     up to `max_concurrency` at once (the baseline that iteration-level batching replaces).
     `max_concurrency` is at most what both engines have KV slots for (their max_batch)."""
 
-    target: object  # an Engine
-    draft: object   # an Engine
+    target: Engine | RequestTarget
+    draft: Engine
     batching: str = BATCHING[0]
     max_concurrency: int | None = None
     schedulers: list[Scheduler] = field(init=False)

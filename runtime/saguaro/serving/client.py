@@ -131,8 +131,8 @@ def stream_responses(client: grpcclient.InferenceServerClient, model: str, input
         try:
             requested = None if outputs is None else [grpcclient.InferRequestedOutput(name) for name in outputs]
             client.async_stream_infer(model, inputs, outputs=requested, enable_empty_final_response=True)
-        except InferenceServerException as error:  # the stream broke at once (nothing listening): say why
-            raise CompletionError(str(responses.get_nowait()[1] if not responses.empty() else error)) from None
+        except InferenceServerException as broke:  # the stream broke at once (nothing listening): say why
+            raise CompletionError(str(responses.get_nowait()[1] if not responses.empty() else broke)) from None
         while True:
             try:
                 result, error = responses.get(timeout=timeout_s)

@@ -106,6 +106,7 @@ class Service:
 
     @property
     def pid(self) -> int:
+        assert self.process is not None, f"{self.name} was not started"
         return self.process.pid
 
     def log_tail(self, lines: int = 30) -> str:
@@ -116,6 +117,7 @@ class Service:
         """SIGKILL: a crash, as far as the cluster can tell."""
         self.stopped = True
         if self.running:
+            assert self.process is not None  # running
             self.process.kill()
             self.process.wait()
 
@@ -123,12 +125,14 @@ class Service:
         """SIGTERM: a worker drains, the frontend stops taking requests."""
         self.stopped = True
         if self.running:
+            assert self.process is not None  # running
             self.process.send_signal(signal.SIGTERM)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
         """SIGTERM, then SIGKILL if it has not exited in time; its exit code (None if killed)."""
         if self.running:
             self.terminate()
+            assert self.process is not None  # it was running
             try:
                 return self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -201,6 +205,7 @@ class LocalCluster:
 
     def start_worker(self) -> Worker:
         """One more worker (also a restarted one): it joins through discovery."""
+        assert self.model_name is not None  # __post_init__ sets it
         index, port = self.started_workers, free_port()
         self.started_workers += 1
         command = [sys.executable, "-m", "saguaro.serving.dynamo_worker", "--engines", str(self.engines),
@@ -243,10 +248,12 @@ class LocalCluster:
         return None not in ids and set(ids) <= self.instances() and self.serves_model()
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        assert self.frontend is not None  # start made it
         deadline = time.monotonic() + timeout_s
         while not self.ready():
             for service in [self.frontend] + [worker.service for worker in self.members]:
                 if service.failed:
+                    assert service.process is not None  # failed: it ran and exited
                     raise RuntimeError(f"{service.name} exited with code {service.process.returncode}:\n"
                                        f"{service.log_tail()}")
             if time.monotonic() > deadline:
@@ -306,6 +313,7 @@ def demo(cluster: LocalCluster, question: str, max_tokens: int, requests: int) -
     import openai
 
     client = openai.OpenAI(base_url=cluster.url, api_key="not-needed")
+    assert cluster.model_name is not None  # LocalCluster.__post_init__ sets it
     print(f"chat: {question}")
     stream_chat(client, cluster.model_name, question, max_tokens)
     print(f"{requests} concurrent completions ...")
@@ -357,6 +365,7 @@ def main(argv=None) -> int:
         if args.demo:
             demo(cluster, args.question, args.max_tokens, args.requests)
         else:
+            assert cluster.frontend is not None  # start made it
             while not stop and cluster.frontend.running:
                 time.sleep(0.2)
     finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
@@ -34,7 +35,7 @@ STOP_TOKEN_FIELDS = ("stop_token_ids", "stop_token_ids_visible", "stop_token_ids
 class Neutral:
     """A sampling or output option SSD honours only at the value that changes nothing."""
 
-    accepts: object  # value -> whether it changes nothing (None, the field left out, always does)
+    accepts: Callable[[Any], bool]  # value -> whether it changes nothing (None, the field left out, always does)
     accepted: str    # the accepted value(s), as the error message says it
     why: str
 
@@ -163,7 +164,7 @@ def parse_sampling(options: dict) -> SamplingParams:
               "top_k": 0 if top_k == -1 else top_k,  # vLLM's "off" is -1, ours 0
               "top_p": float(number(options, "top_p", 1.0)),
               "seed": options.get("seed")}
-    checked = {}
+    checked: dict[str, Any] = {}
     for name, value in values.items():  # one at a time, so that the error names the field
         checked[name] = value
         try:

@@ -50,6 +50,7 @@ import tempfile
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, cast
 
 from saguaro.runtime.engines.manifest import read_manifest
 from saguaro.runtime.models.checkpoint import read_config
@@ -91,6 +92,7 @@ def target_config(source: ModelSource) -> dict:
     """The target's Hugging Face config, from the engine manifest or the checkpoint."""
     if source.engines_dir is not None:
         return read_manifest(source.engines_dir)["models"]["target"]["config"]
+    assert source.target_dir is not None  # a source without engines has checkpoints
     return read_config(source.target_dir)
 
 
@@ -103,7 +105,7 @@ def model_card_files(source: ModelSource, eos_token_ids: list[int], bos_token_id
              if (source.tokenizer_dir / name).is_file()}
     files["config.json"] = json.dumps(target_config(source), indent=1, sort_keys=True).encode()
     if "generation_config.json" not in files:
-        generation = {"eos_token_id": list(eos_token_ids)}
+        generation: dict[str, int | list[int]] = {"eos_token_id": list(eos_token_ids)}
         if bos_token_id is not None:
             generation["bos_token_id"] = bos_token_id
         files["generation_config.json"] = json.dumps(generation, indent=1).encode()
@@ -247,8 +249,8 @@ class SsdHandler:
 
 @dataclass
 class Shutdown:
-    runtime: object
-    endpoint: object
+    runtime: Any   # Dynamo's DistributedRuntime
+    endpoint: Any  # and its endpoint
     generations: lifecycle.Generations
     drain_timeout_s: float
     grace_s: float
@@ -305,7 +307,7 @@ async def serve(args: argparse.Namespace, source: ModelSource, defaults, pipelin
     loop = asyncio.get_running_loop()
     runtime = DistributedRuntime(loop, args.discovery_backend, args.request_plane, event_plane=args.event_plane)
     endpoint = runtime.endpoint(f"{args.namespace}.{args.component}.{args.endpoint}")
-    info = pipeline.target.info
+    info = cast(Any, pipeline.target).info  # an Engine's (Pipeline types it object)
     metrics = WorkerMetrics(args.model_name)
     endpoint.metrics.register_prometheus_expfmt_callback(metrics.exposition)
     handler = SsdHandler(pipeline, defaults, ModelLimits(pipeline.max_context, info.vocab_size, info.eos_token_id),
@@ -373,7 +375,7 @@ def checked(args: argparse.Namespace):
     source = source_from_args(args)
     defaults = default_options(source, args.mode, args.num_draft_tokens, args.fanout, args.budget,
                                adapt_k=not args.fixed_k)
-    args.model_name = args.model_name or (source.engines_dir or source.target_dir).name
+    args.model_name = args.model_name or cast(Path, source.engines_dir or source.target_dir).name  # one is given
     return source, defaults
 
 
@@ -394,7 +396,7 @@ def main(argv=None) -> int:
     configure_dynamo_logging()
     pipeline = Pipeline.load(engines=source.engines_dir, target=source.target_dir, draft=source.draft_dir,
                              batching=args.batching, max_concurrency=args.max_concurrency)
-    info = pipeline.target.info
+    info = cast(Any, pipeline.target).info  # an Engine's (Pipeline types it object)
     try:
         template = args.chat_template.read_text() if args.chat_template else None
         files = model_card_files(source, list(info.eos_token_ids), info.bos_token_id, template)

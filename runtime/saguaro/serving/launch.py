@@ -239,6 +239,7 @@ class TritonServer:
             return False
 
     def wait_ready(self, timeout_s: float, interrupted: Callable[[], bool] = lambda: False) -> None:
+        assert self.process is not None  # start made it
         deadline = time.monotonic() + timeout_s
         while not self.is_ready():
             if self.process.poll() is not None:
@@ -260,9 +261,14 @@ class TritonServer:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, "tritonserver was not started"
+        return self.process.pid
+
     def asked_to_stop(self) -> bool:
         """Someone sent the server SIGTERM (blocked, so pending: ours to handle)."""
-        return self.running and signal.SIGTERM in pending_signals(self.process.pid)
+        return self.running and signal.SIGTERM in pending_signals(self.pid)
 
     def stopping_by_itself(self) -> bool:
         """Triton began its own undrained stop (a signal it handles reached it from elsewhere)
@@ -294,6 +300,7 @@ class TritonServer:
                 print(f"serve: the drain request failed, stopping without it: {error}", file=sys.stderr)
         before_stop()
         if self.running:
+            assert self.process is not None  # running
             self.signals_sent.add(int(signal.SIGINT))
             self.process.send_signal(signal.SIGINT)
             killed = self.wait_for_exit(TRITON_EXIT_TIMEOUT_S + EXIT_GRACE_S)
@@ -313,6 +320,7 @@ class TritonServer:
     def wait_for_exit(self, timeout_s: float) -> bool:
         """Wait for the process to exit; kill its group (the stubs too) at the timeout, or
         shortly after Triton has unloaded every model that runs code. True if killed."""
+        assert self.process is not None  # stop calls it on a running server
         deadline, unloaded_at = time.monotonic() + timeout_s, None
         while self.process.poll() is None:
             now = time.monotonic()
@@ -386,6 +394,7 @@ def wait_for_stop(server: TritonServer, stop: StopRequest) -> str:
     """Serve until a stop is asked for; what asked for it."""
     while True:
         if stop.requested():
+            assert stop.signum is not None  # requested
             return f"{signal.Signals(stop.signum).name} to serve.py"
         if server.asked_to_stop():
             return "SIGTERM to tritonserver"
@@ -422,7 +431,7 @@ def ready_line(args: argparse.Namespace, server: TritonServer, openai) -> str:
             f"metrics http://{host}:{args.metrics_port}/metrics")
     if openai is not None:
         line += f", OpenAI API http://{host}:{args.openai_port}/v1 (model '{openai.front.model.name}')"
-    return line + f" (tritonserver pid {server.process.pid}, log {server.log_path})"
+    return line + f" (tritonserver pid {server.pid}, log {server.log_path})"
 
 
 def parse_args(argv=None) -> argparse.Namespace:

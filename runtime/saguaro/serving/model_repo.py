@@ -19,6 +19,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from saguaro.runtime.arguments import DECODE_DEFAULTS, add_decoding_arguments
 from saguaro.runtime.core.options import DecodeOptions, hidden_branch_options
@@ -170,7 +171,8 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--draft", type=Path, help="draft Hugging Face checkpoint folder")
     knobs = parser.add_argument_group("what a request gets for the SSD knobs it leaves out "
                                       "(K and the fan-out are capped by the engines' limits)")
-    add_decoding_arguments(knobs, defaults=None, per_request_flags=False)
+    # a group takes the same add_argument calls as the parser add_decoding_arguments is typed for
+    add_decoding_arguments(cast(argparse.ArgumentParser, knobs), defaults=None, per_request_flags=False)
     knobs.add_argument("--fixed-k", action="store_true",
                        help="K drafts every round, instead of K per round from the load policy")
     parser.add_argument("--batching", choices=BATCHING, default=BATCHING[0],

@@ -12,7 +12,7 @@ for one sequence (user, metadata, parallel_tool_calls, ...) are accepted.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, cast
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -239,7 +239,8 @@ def completion_params(request: CompletionRequest, encode, max_context: int) -> G
         prompt = prompt[0]
     if not prompt:
         raise invalid("prompt", "is empty")
-    prompt_ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
+    # a list here holds ids: a list of strings was replaced by its one string above
+    prompt_ids = encode(prompt) if isinstance(prompt, str) else list(cast("list[int]", prompt))
     values = sampling_values(request)
     max_tokens = check_fits(prompt_ids, request.max_tokens, "max_tokens", max_context)
     return GenerationParams(prompt_ids, max_tokens, stops=stop_strings(request.stop), stream=request.stream,

@@ -26,7 +26,7 @@ import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 import pydantic
 import uvicorn
@@ -56,7 +56,7 @@ class ServedModel:
     """What the front end needs of the model: its name, tokenizer and context."""
 
     name: str
-    tokenizer: object
+    tokenizer: Any  # a Hugging Face tokenizer
     max_context: int
 
     @classmethod
@@ -160,12 +160,13 @@ class Generation:
         self.text = TextStream(model.decode, params.stops)
         self.outcome = Outcome()
 
-    async def pieces(self, ssd: SsdStream) -> AsyncIterator[tuple[str, list[int], list[float]]]:
+    async def pieces(self, ssd: SsdStream) -> AsyncGenerator[tuple[str, list[int], list[float]], None]:
         """(text, its tokens, their log-probabilities) per round, until the end or a stop string."""
         async with aclosing(ssd.rounds(self.params)) as rounds:
             async for answer in rounds:
                 self.absorb_figures(answer)
-                final = answer.finish_reason is not None
+                reason = answer.finish_reason
+                final = reason is not None
                 before = len(self.text.ids)
                 piece = self.text.add(answer.ids, final=final)
                 kept = self.kept_tokens(before, answer)
@@ -174,8 +175,8 @@ class Generation:
                 if self.text.stopped:
                     self.outcome.finish_reason = "stop"
                     break  # leaving the stream cancels the generation
-                if final:
-                    self.outcome.finish_reason = FINISH_REASONS.get(answer.finish_reason, answer.finish_reason)
+                if reason is not None:  # final
+                    self.outcome.finish_reason = FINISH_REASONS.get(reason, reason)
         self.outcome.completion_tokens = self.text.completion_tokens
 
     def kept_tokens(self, before: int, answer: Round) -> tuple[list[int], list[float]]:

@@ -13,7 +13,7 @@ import csv
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -48,7 +48,7 @@ def defaults_from_parameters(parameters: dict[str, str]) -> DecodeOptions:
     """What a request gets for the SSD knobs it leaves out: the `default_*` parameters of
     `config.pbtxt`, else `DecodeOptions`' own defaults. Checked at load, not per request."""
     given = {key: value.strip() for key, value in parameters.items() if value.strip()}
-    fields = {}
+    fields: dict[str, Any] = {}
     if "default_decoding_mode" in given:
         fields["mode"] = given["default_decoding_mode"]
     if "default_num_draft_tokens" in given:
@@ -239,6 +239,7 @@ def parse_request(get: GetInput, defaults: DecodeOptions, limits: ModelLimits, i
     sent as `text_input` instead of `input_ids`."""
     as_text = encode is not None and get("input_ids") is None and get("text_input") is not None
     if as_text:
+        assert encode is not None  # as_text says so
         require_inputs(get, {"text_input": "text_input", "max_tokens": "max_tokens"})
         get = text_prompt(get, encode)
     require_inputs(get, {"input_ids": "input_ids", "max_tokens": "max_tokens"})

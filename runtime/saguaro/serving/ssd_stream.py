@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -118,7 +118,7 @@ class SsdStream:
             await self._client.close()
             self._client = None
 
-    async def rounds(self, params: GenerationParams) -> AsyncIterator[Round]:
+    async def rounds(self, params: GenerationParams) -> AsyncGenerator[Round, None]:
         """The request's responses up to its final one; ApiError if the model refuses it."""
         done = asyncio.Event()
         request = {"model_name": MODEL, "inputs": infer_inputs(ssd_inputs(params)),

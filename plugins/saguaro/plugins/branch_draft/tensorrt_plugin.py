@@ -55,7 +55,7 @@ def _define_plugin(trt, trtp) -> None:
     def branch_draft_shapes(
         scores: trtp.TensorDesc, draft_tokens: trtp.TensorDesc, fanout: trtp.TensorDesc,
         context_length: trtp.TensorDesc, max_branches: int,
-    ) -> Tuple[(trtp.TensorDesc,) * NUM_OUTPUTS]:
+    ) -> Tuple[(trtp.TensorDesc,) * NUM_OUTPUTS]:  # type: ignore[valid-type]  # built at run time for tensorrt.plugin
         check_input_types(trt, SIGNATURE, (scores, draft_tokens, fanout, context_length))
         drafts = draft_tokens.shape_expr[0]
         sizes = {name: trtp.size_tensor(opt, bound)
@@ -76,7 +76,8 @@ def _define_plugin(trt, trtp) -> None:
     @trtp.impl(PLUGIN_ID)
     def branch_draft_launch(
         scores: trtp.Tensor, draft_tokens: trtp.Tensor, fanout: trtp.Tensor,
-        context_length: trtp.Tensor, max_branches: int, outputs: Tuple[(trtp.Tensor,) * NUM_OUTPUTS],
+        context_length: trtp.Tensor, max_branches: int,
+        outputs: Tuple[(trtp.Tensor,) * NUM_OUTPUTS],  # type: ignore[valid-type]  # built at run time for tensorrt.plugin
         stream: int,
     ) -> None:
         import torch
@@ -89,7 +90,8 @@ def _define_plugin(trt, trtp) -> None:
 
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
             inputs = [torch.as_tensor(t, device="cuda") for t in (scores, draft_tokens, fanout, context_length)]
-            launch_plan_outputs(*inputs, max_branches, output)
+            scores_in, tokens_in, fanout_in, length_in = inputs
+            launch_plan_outputs(scores_in, tokens_in, fanout_in, length_in, max_branches, output)
 
 
 _register = registration(_define_plugin, SIGNATURE.version)

@@ -34,7 +34,7 @@ def _define_plugin(trt, trtp) -> None:
         target_logits: trtp.TensorDesc, draft_tokens: trtp.TensorDesc, draft_probs: trtp.TensorDesc,
         uniforms: trtp.TensorDesc, temperature: trtp.TensorDesc, top_k: trtp.TensorDesc,
         top_p: trtp.TensorDesc,
-    ) -> Tuple[(trtp.TensorDesc,) * NUM_OUTPUTS]:
+    ) -> Tuple[(trtp.TensorDesc,) * NUM_OUTPUTS]:  # type: ignore[valid-type]  # built at run time for tensorrt.plugin
         """Two 0-d int64 outputs, accepted and bonus, whatever K and V are (no shape
         expression is built, so this is safe while TensorRT's shapes are still fake)."""
         check_input_types(trt, SIGNATURE, (target_logits, draft_tokens, draft_probs, uniforms, temperature, top_k,
@@ -45,7 +45,8 @@ def _define_plugin(trt, trtp) -> None:
     def fused_verify_launch(
         target_logits: trtp.Tensor, draft_tokens: trtp.Tensor, draft_probs: trtp.Tensor,
         uniforms: trtp.Tensor, temperature: trtp.Tensor, top_k: trtp.Tensor, top_p: trtp.Tensor,
-        outputs: Tuple[(trtp.Tensor,) * NUM_OUTPUTS], stream: int,
+        outputs: Tuple[(trtp.Tensor,) * NUM_OUTPUTS],  # type: ignore[valid-type]  # built at run time for tensorrt.plugin
+        stream: int,
     ) -> None:
         import torch
 

@@ -238,7 +238,7 @@ class Acceptance:
     def rates(self, depths: int, priors: list[float] | None = None) -> list[float]:
         """`rate` at depths 0..depths-1; a depth seen little leans on `priors`, or else on
         the depth before it (drafts a policy rarely verifies that deep are not assumed bad)."""
-        rates = []
+        rates: list[float] = []
         for depth in range(depths):
             prior = priors[depth] if priors else (rates[-1] if rates else UNSEEN_ACCEPTANCE)
             rates.append(self.rate(depth, prior))

@@ -170,23 +170,30 @@ class Engine(Protocol):
                       fanout: torch.Tensor, context_length: int) -> BranchPlan: ...
 
 
+class _BatchedForms(Protocol):
+    """What `OneSequenceForms` builds on: the batched forms its subclasses define."""
+
+    def forward_batch(self, steps: Sequence[Step]) -> list[torch.Tensor]: ...
+    def verify_batch(self, steps: Sequence[VerifyStep]) -> list[VerifyResult]: ...
+
+
 class OneSequenceForms:
     """`forward` and `verify` for one sequence, in terms of an engine's batched forms;
     `forward_rows` for an engine that returns no hidden states; and `run_alone`: the
     decoder's word that nothing of the other model's runs during the block, which an
     engine that can may use to compute on more cores (no-op here)."""
 
-    def forward_rows(self, steps: Sequence[Step]) -> list[Rows]:
+    def forward_rows(self: _BatchedForms, steps: Sequence[Step]) -> list[Rows]:
         return [Rows(logits) for logits in self.forward_batch(steps)]
 
     def run_alone(self) -> ContextManager[None]:
         return nullcontext()
 
-    def forward(self, cache: Cache, tokens: torch.Tensor, positions: torch.Tensor,
+    def forward(self: _BatchedForms, cache: Cache, tokens: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.forward_batch([Step(cache, tokens, positions, mask)])[0]
 
-    def verify(self, cache: Cache, tokens: torch.Tensor, positions: torch.Tensor, draft_tokens: torch.Tensor,
+    def verify(self: _BatchedForms, cache: Cache, tokens: torch.Tensor, positions: torch.Tensor, draft_tokens: torch.Tensor,
                draft_probs: torch.Tensor | None, uniforms: torch.Tensor, sampling: SamplingParams) -> VerifyResult:
         return self.verify_batch([VerifyStep(Step(cache, tokens, positions), draft_tokens, draft_probs,
                                              uniforms, sampling)])[0]

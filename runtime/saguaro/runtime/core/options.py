@@ -69,6 +69,7 @@ class DecodeOptions:
         if self.budget == "auto":
             return AdaptiveBudget(min(AUTO_BUDGET_CAP, max_branches or AUTO_BUDGET_CAP), self.num_draft_tokens)
         if self.budget is not None:
+            assert isinstance(self.budget, int)  # validated: an int >= 1 or "auto"
             return OnlineBudget(self.budget, self.num_draft_tokens)
         return StaticFanout(list(self.fanout), self.num_draft_tokens)
 

@@ -74,6 +74,7 @@ def pick_tokens(logits: torch.Tensor, params: SamplingParams, saguaro: SaguaroSa
     if params.greedy:
         return torch.argmax(logits, dim=-1), None
     q = draft_distribution(logits, params, saguaro)
+    assert params.seed is not None  # the loops sample with seeded parameters (`with_seed`)
     return sample_from(q, keyed_uniforms(params.seed, DRAFT_STREAM, positions)), q
 
 
@@ -103,6 +104,7 @@ def verification_uniforms(params: SamplingParams, draft_positions: torch.Tensor,
     draws nothing (zeros), and needs no seed."""
     if params.greedy:
         return torch.zeros(len(draft_positions) + 1)
+    assert params.seed is not None  # the loops verify with seeded parameters (`with_seed`)
     return torch.cat((keyed_uniforms(params.seed, ACCEPT_STREAM, draft_positions),
                       keyed_uniforms(params.seed, BONUS_STREAM, [first_new])))
 

@@ -64,6 +64,9 @@ class Generation:
 class Output:
     """Committed tokens, clipped to max_tokens, the context, and the first end token."""
 
+    new: list[int]
+    finish_reason: str | None
+
     def __init__(self, request: Request, max_context: int):
         self.ids, self.new = list(request.prompt_ids), []
         self.max_tokens, self.max_context = request.options.max_tokens, max_context
@@ -102,13 +105,13 @@ class Sequence:
         self.policy = options.fanout_policy(draft.info.max_branches)
         self.prespeculating = options.prespeculating
         self.verifier = Verifier(target, request.sampling, self.k)
-        self.speculator = None
+        self.speculator: Speculator | None = None
         if self.k > 0:
             branches = self.policy.max_branches if self.prespeculating else 0
             self.speculator = Speculator(draft, request.sampling, options.saguaro(request.sampling),
                                          draft_cache_capacity(target.info.max_context, branches, self.k))
         self.empty = empty_draft(draft.info.vocab_size, request.sampling)
-        self.proposal = None if self.k else self.empty
+        self.proposal: Draft | None = None if self.k else self.empty
         self.after_hit = False  # the proposal is a hit's pre-speculated branch
         self.greedy, self.acceptance = request.sampling.greedy, Acceptance()
         self.plan = Plan(self.k)  # the load policy's, each round
@@ -146,10 +149,12 @@ class Sequence:
     @property
     def round_draft_tokens(self) -> int:
         """Drafts the coming round verifies: the plan's K, what was drafted, and what fits."""
+        assert self.proposal is not None  # asked once the round has its draft (`Decoder.draft_misses`)
         return max(0, min(self.plan.draft_tokens, len(self.proposal), self.out.room - 1))
 
     @property
     def round_proposal(self) -> Draft:
+        assert self.proposal is not None  # as in `round_draft_tokens`
         return self.proposal.prefix(self.round_draft_tokens)
 
     def prepare(self, plan: Plan) -> None:
@@ -159,6 +164,12 @@ class Sequence:
         self.plan = plan
         if self.speculator is not None and (self.proposal is None or not len(self.proposal)):
             self.proposal = None if plan.draft_tokens else self.empty
+
+    @property
+    def drafter(self) -> Speculator:
+        """The speculator, of a sequence that drafts (K > 0: the ones the rounds draft for)."""
+        assert self.speculator is not None
+        return self.speculator
 
     @property
     def draft_lags(self) -> bool:
@@ -172,6 +183,7 @@ class Sequence:
 
     def verification(self) -> VerifyStep:
         self.verified = self.round_draft_tokens
+        assert self.proposal is not None  # as in `round_draft_tokens`
         return self.verifier.round(self.out.ids, self.proposal, self.verified, self.request.logprobs is not None)
 
     def commit(self, outcome: VerifyResult, speculation: SpeculationCache | None, verify_s: float) -> bool | None:
@@ -187,7 +199,7 @@ class Sequence:
         self.after_hit = False
         if self.done or speculation is None:
             return None
-        self.proposal = take_speculation(self.speculator, self.policy, self.stats, self.out.ids, drafted,
+        self.proposal = take_speculation(self.drafter, self.policy, self.stats, self.out.ids, drafted,
                                          speculation, outcome, verify_s)
         self.after_hit = self.proposal is not None
         return self.after_hit
@@ -260,8 +272,8 @@ class Decoder:
         # core: sequences that draft nothing bring their draft caches up to date meanwhile,
         # so that a probe, or speculation coming back, has only the newest tokens to feed
         lagging = [] if alone or speculating else [s for s in batch if s.draft_lags]
-        catching = lagging and self.worker.submit(lockstep, self.draft, [s.speculator.catch_up(s.out.ids)
-                                                                         for s in lagging])
+        catching = lagging and self.worker.submit(lockstep, self.draft, [s.drafter.catch_up(s.out.ids)
+                                                                      for s in lagging])
         with stopwatch() as verifying, self.target.run_alone() if alone else nullcontext():
             outcomes = self.target.verify_batch(steps)
         self.policy.observe_verify(tokens, verifying.seconds, alone)
@@ -282,8 +294,8 @@ class Decoder:
         """In the worker: every sequence's likely outcomes, all drafted in lockstep."""
         with stopwatch() as elapsed:
             speculations = lockstep(self.draft, [
-                s.speculator.prespeculate(s.out.ids, s.round_proposal,
-                                          s.policy.fanout(s.round_draft_tokens + 1, s.plan.branches))
+                s.drafter.prespeculate(s.out.ids, s.round_proposal,
+                                       s.policy.fanout(s.round_draft_tokens + 1, s.plan.branches))
                 for s in batch])
         for sequence, speculation in zip(batch, speculations):
             speculation.seconds = elapsed.seconds
@@ -300,10 +312,10 @@ class Decoder:
         if not needing:
             return 0.0
         # a draft that first feeds a prompt, or tokens it missed, is no measure of a step
-        steady = all(s.speculator.lag(s.out.ids) <= s.plan.draft_tokens + 1 for s in needing)
+        steady = all(s.drafter.lag(s.out.ids) <= s.plan.draft_tokens + 1 for s in needing)
         with stopwatch() as drafting:
-            drafts = self.worker.submit(lockstep, self.draft, [s.speculator.draft(s.out.ids, s.plan.draft_tokens)
-                                                               for s in needing]).result()
+            drafts = self.worker.submit(lockstep, self.draft, [s.drafter.draft(s.out.ids, s.plan.draft_tokens)
+                                                            for s in needing]).result()
         for sequence, draft in zip(needing, drafts):
             sequence.proposal = draft
             sequence.stats.draft_s += drafting.seconds

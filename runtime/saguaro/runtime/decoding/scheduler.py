@@ -93,7 +93,7 @@ class Scheduler:
                 self._condition.wait()
             if wait and not self._waiting:
                 return None
-            taken = []
+            taken: list[tuple[Request, Future]] = []
             while self._waiting and len(taken) < room:
                 taken.append(self._waiting.popleft())
             return taken

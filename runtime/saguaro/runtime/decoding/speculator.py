@@ -23,7 +23,7 @@ only, never the output.
 """
 from __future__ import annotations
 
-from typing import Generator, Sequence
+from typing import Generator, Sequence, TypeVar, cast
 
 import torch
 
@@ -31,7 +31,8 @@ from saguaro.plugins.branch_draft.reference import commit_indices, feasible_fano
 from saguaro.runtime.core.contracts import Draft, Rows, SpeculationCache, Step
 from saguaro.runtime.core.sampling import SaguaroSampling, SamplingParams, pick_tokens
 
-Forwards = Generator[Step, Rows, object]  # yields steps, receives their rows
+_R = TypeVar("_R")
+Forwards = Generator[Step, Rows, _R]  # yields steps, receives their rows, returns an _R
 
 
 def lockstep(engine, coroutines: Sequence[Forwards]) -> list:
@@ -64,7 +65,7 @@ class DraftFeatures:
     """The target's features of the committed positions, as a feature draft reads them
     (projected), and how many leading draft-cache entries were fed with them (`exact`)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine) -> None:
         self.engine = engine
         self.known: list[torch.Tensor] = []  # by position: the target's projected feature
         self.exact = 0
@@ -99,7 +100,7 @@ class Speculator:
         if self.features is not None and features is not None:
             self.features.observe(first_position, features)
 
-    def _feed(self, tokens: list[int], first_position: int, hidden: torch.Tensor | None = None) -> Forwards:
+    def _feed(self, tokens: list[int], first_position: int, hidden: torch.Tensor | None = None) -> Forwards[Rows]:
         positions = torch.arange(first_position, first_position + len(tokens))
         rows = yield Step(self.cache, torch.tensor(tokens), positions, hidden=hidden)
         self.cached.extend(tokens)
@@ -111,7 +112,7 @@ class Speculator:
         if self.features is not None:
             self.features.exact = min(self.features.exact, length)
 
-    def _sync(self, ids: list[int]) -> Forwards:
+    def _sync(self, ids: list[int]) -> Forwards[Rows]:
         """Roll the cache back to what it shares with `ids` (for a feature draft: what was
         fed the target's features), feed the rest, return the rows that follow `ids` (the
         last token is re-fed if it was already cached)."""
@@ -133,13 +134,13 @@ class Speculator:
         """Committed tokens the cache lacks (at most K + 1 after an ordinary round)."""
         return len(ids) - len(self.cached)
 
-    def catch_up(self, ids: list[int]) -> Forwards:
+    def catch_up(self, ids: list[int]) -> Forwards[None]:
         """Feed the committed tokens the cache lacks, so that the next draft has only the
         newest to feed (a sequence that drafted nothing for a while)."""
         if self.lag(ids) > 0:
             yield from self._sync(ids)
 
-    def draft(self, ids: list[int], k: int) -> Forwards:
+    def draft(self, ids: list[int], k: int) -> Forwards[Draft]:
         """Ordinary drafting: k tokens from `ids`, one forward each (the last not fed); a
         feature draft feeds each token with its own feature of the row before."""
         if k == 0:
@@ -153,11 +154,12 @@ class Speculator:
             drafted_from.append(rows)
             if step < k - 1:
                 rows = yield from self._feed([tokens[-1]], len(ids) + step, own_feature(rows))
-        hidden = None if self.features is None else torch.stack([r.hidden for r in drafted_from])
-        return Draft(torch.tensor(tokens), None if self.sampling.greedy else torch.stack(probs),
+        # present where read: each q when sampling, each row's hidden from a feature draft
+        hidden = None if self.features is None else torch.stack(cast("list[torch.Tensor]", [r.hidden for r in drafted_from]))
+        return Draft(torch.tensor(tokens), None if self.sampling.greedy else torch.stack(cast("list[torch.Tensor]", probs)),
                      torch.stack([r.logits for r in drafted_from]), hidden)
 
-    def prespeculate(self, ids: list[int], draft: Draft, fanout: torch.Tensor) -> Forwards:
+    def prespeculate(self, ids: list[int], draft: Draft, fanout: torch.Tensor) -> Forwards[SpeculationCache]:
         """While the target verifies `draft` (K tokens): draft K tokens for each likely
         outcome (j, t), all branches advancing together in one tree forward per step."""
         k, context_length = len(draft), len(ids)
@@ -168,8 +170,8 @@ class Speculator:
         scores = torch.cat((draft.logits, glue.logits.unsqueeze(0)))
         plan = self.engine.plan_branches(scores, draft.tokens, fanout, context_length)
         branches = plan.branches
-        # a feature draft's branch (j, t) starts from its own feature of row j
-        hidden = None if draft.hidden is None else torch.cat((draft.hidden, glue.hidden[None]))[plan.depth]
+        # a feature draft's branch (j, t) starts from its own feature of row j (its rows, the glue's too, carry one)
+        hidden = None if draft.hidden is None else torch.cat((draft.hidden, cast(torch.Tensor, glue.hidden)[None]))[plan.depth]
         fed, step_probs, step_logits, step_hidden = [plan.token], [], [], []
         for step in range(k):
             mask = step_mask(plan.window_mask, context_length, step, branches, k)
@@ -181,8 +183,8 @@ class Speculator:
             step_hidden.append(hidden := rows.hidden)
         drafted = torch.stack(fed[1:], dim=1)  # [B, K]: e_1..e_K of each branch
         logits = torch.stack(step_logits, dim=1)
-        probs = None if self.sampling.greedy else torch.stack(step_probs, dim=1)
-        hidden = None if draft.hidden is None else torch.stack(step_hidden, dim=1)
+        probs = None if self.sampling.greedy else torch.stack(cast("list[torch.Tensor]", step_probs), dim=1)
+        hidden = None if draft.hidden is None else torch.stack(cast("list[torch.Tensor]", step_hidden), dim=1)
         drafts = [Draft(drafted[b], None if probs is None else probs[b], logits[b],
                         None if hidden is None else hidden[b]) for b in range(branches)]
         keys = {(int(j), int(t)): b for b, (j, t) in enumerate(zip(plan.depth, plan.token))}

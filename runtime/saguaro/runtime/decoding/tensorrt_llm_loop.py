@@ -38,6 +38,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -62,7 +63,7 @@ REPORTS_KEPT = 4096  # finished requests whose drafter figures a caller may stil
 
 def sampling_arguments(sampling: SamplingParams, max_tokens: int, eos_token_id: int | None) -> dict:
     """`tensorrt_llm.SamplingParams` keywords for a request (`request_sampling` inverts it)."""
-    arguments = {"max_tokens": max_tokens, "seed": sampling.seed}
+    arguments: dict[str, Any] = {"max_tokens": max_tokens, "seed": sampling.seed}
     if sampling.greedy:
         arguments["temperature"] = 0.0
     else:
@@ -121,6 +122,7 @@ class RequestDrafts:
         else:
             verify_s = time.perf_counter() - self.handed_at  # TensorRT-LLM's iteration
             self.stats.verify_s += verify_s
+            assert self.ids is not None  # set with the proposal
             outcome = round_outcome(self.ids, self.proposal, ids)
             self.rounds.collect()
             if outcome is None:
@@ -146,7 +148,7 @@ class SsdDrafter:
     from the engine directory. Its figures for each request are kept by client id
     (`report`) for a caller in the same process."""
 
-    def __init__(self, engine_dir: str, options: DecodeOptions, max_context: int, draft_engine=None):
+    def __init__(self, engine_dir: str | Path, options: DecodeOptions, max_context: int, draft_engine=None):
         self.engine_dir, self.options, self.max_context = str(engine_dir), options, max_context
         self._draft_engine = draft_engine
         self._setup()
@@ -238,7 +240,8 @@ class TensorRTLLMTarget:
         self.engine_dir, self.checkpoint, self.settings = Path(engine_dir), Path(checkpoint), settings
         self.info, self.tokenizer = info, tokenizer
         self.options: DecodeOptions | None = None
-        self.llm = self.drafter = None
+        self.llm: Any = None  # a `tensorrt_llm.LLM` (untyped), once started
+        self.drafter: SsdDrafter | None = None
         self._lock = threading.Lock()
 
     def llm_arguments(self, api: TensorRTLLMApi, options: DecodeOptions, draft_engine) -> dict:

@@ -11,11 +11,12 @@ result is read from.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 
 from saguaro.runtime.core.contracts import Step, causal_mask
+from saguaro.runtime.engines.kv_cache import PooledCache
 
 
 @dataclass
@@ -49,7 +50,7 @@ def check_step(step: Step) -> None:
 def pack_steps(steps: Sequence[Step]) -> PackedBatch:
     for step in steps:
         check_step(step)
-    slots = [step.cache.slot for step in steps]
+    slots = [cast(PooledCache, step.cache).slot for step in steps]  # the engines' caches: slots of a pool
     if len(set(slots)) != len(slots):
         raise ValueError("a batch holds at most one step per sequence")
     first = min(slots)

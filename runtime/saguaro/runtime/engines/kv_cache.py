@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import cast
 
 import numpy as np
 import torch
@@ -119,7 +120,7 @@ class SlotKVCache:
     padding costs ONNX Runtime nothing)."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, gather_graph=None,
-                 device: str = "cpu", dtype: torch.dtype = torch.float32):
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
         self.dims, self._capacity = (layers, kv_heads, head_dim), capacity
         region = aligned_length(layers * kv_heads * capacity * head_dim, dtype.itemsize)
         self._slots = torch.zeros(2, 2, region, device=device, dtype=dtype)  # [slot, k/v, flat]
@@ -135,7 +136,8 @@ class SlotKVCache:
         """Keys, values of `slot` laid out for `entries` entries: contiguous, batch 1."""
         layers, heads, dim = self.dims
         size = layers * heads * entries * dim
-        return tuple(self._slots[slot, i, :size].view(layers, 1, heads, entries, dim) for i in (0, 1))
+        pair = tuple(self._slots[slot, i, :size].view(layers, 1, heads, entries, dim) for i in (0, 1))
+        return cast("tuple[torch.Tensor, torch.Tensor]", pair)
 
     def live(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.view(self._live, self.length)

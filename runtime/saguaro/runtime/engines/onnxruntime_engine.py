@@ -119,6 +119,7 @@ class OnnxRuntimeEngine(OneSequenceForms):
 
     def __init__(self, sessions: dict[str, ort.InferenceSession], info: EngineInfo, tokenizer, shape: dict,
                  slot_capacity: int, open_alone: Callable[[], ort.InferenceSession] | None = None):
+        assert info.limits is not None  # a compiled engine's, from its manifest's build
         self.sessions, self.info, self.tokenizer, self.limits = sessions, info, tokenizer, info.limits
         self._open_alone, self._alone_session = open_alone, None  # the wide session, opened at first use
         self._running = threading.local()  # .alone: this thread's forwards use the wide session
@@ -165,7 +166,8 @@ class OnnxRuntimeEngine(OneSequenceForms):
         return {}
 
     def _run_model(self, packed: PackedBatch, extra: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
-        session = self._alone_session if getattr(self._running, "alone", False) else self.sessions["model"]
+        # the wide session is open whenever `alone` is set (`run_alone` opens it first)
+        session: ort.InferenceSession = self._alone_session if getattr(self._running, "alone", False) else self.sessions["model"]
         binding = session.io_binding()
         inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
                   "seqlens_k": packed.seqlens_k, "query_seqlens": packed.query_seqlens,

@@ -26,7 +26,7 @@ empty tensor (K = 0 drafts, B = 0 branches) is bound to a small real allocation 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, cast
 
 import torch
 
@@ -147,6 +147,7 @@ class TensorRTEngine(OneSequenceForms):
 
     def __init__(self, trt, graphs: dict[str, TensorRTGraph], info: EngineInfo, tokenizer, shape: dict,
                  device: str = "cuda"):
+        assert info.limits is not None  # a compiled engine's, from its manifest's build
         self.trt, self.graphs, self.info, self.tokenizer, self.limits = trt, graphs, info, tokenizer, info.limits
         self.device = device
         self.kv_dims = (shape["num_layers"], shape["num_kv_heads"], shape["head_dim"])
@@ -181,14 +182,14 @@ class TensorRTEngine(OneSequenceForms):
         return [self._verify_one(item) for item in steps]
 
     def _forward_one(self, step: Step) -> torch.Tensor:
-        cache = step.cache
+        cache = cast(SlotKVCache, step.cache)  # one of this engine's (`new_cache`)
         inputs, outputs, length = self._step_io(cache, step.tokens, step.positions, step.mask)
         self.graphs["forward"].run(inputs, outputs)
         cache.swap(length)
         return outputs["logits"][0].float().cpu()
 
     def _verify_one(self, item: VerifyStep) -> VerifyResult:
-        cache, tokens, positions = item.step.cache, item.step.tokens, item.step.positions
+        cache, tokens, positions = cast(SlotKVCache, item.step.cache), item.step.tokens, item.step.positions
         draft_tokens, draft_probs, uniforms, sampling = item.draft_tokens, item.draft_probs, item.uniforms, item.sampling
         k = len(draft_tokens)
         if k > self.limits.max_draft_tokens:

@@ -26,6 +26,7 @@ import inspect
 import re
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from saguaro.runtime.core.sampling import SamplingParams
 
@@ -85,7 +86,7 @@ DRAFTER_FORMS = (
 )
 
 
-def drafter_form(drafter_base: type) -> DrafterForm:
+def drafter_form(drafter_base: Any) -> DrafterForm:  # a class of (untyped) TensorRT-LLM
     """The form of `drafter_base.__init__`, or a RuntimeError naming the installed
     TensorRT-LLM and the parameters it has."""
     parameters = tuple(name for name in inspect.signature(drafter_base.__init__).parameters
@@ -98,7 +99,7 @@ def drafter_form(drafter_base: type) -> DrafterForm:
                        f"forms the SSD drafter knows ({known}); supported: {TENSORRT_LLM_REQUIREMENT}")
 
 
-def init_drafter_base(drafter, drafter_base: type, draft_length: int) -> None:
+def init_drafter_base(drafter, drafter_base: Any, draft_length: int) -> None:  # as in `drafter_form`
     """Run `drafter_base.__init__` on `drafter` for a draft length of K (a chain: the
     total draft tokens per request is K), in whichever form the installed version has."""
     form = drafter_form(drafter_base)

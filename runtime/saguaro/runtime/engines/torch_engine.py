@@ -70,8 +70,10 @@ class TorchEngine(OneSequenceForms):
         over the padded width, so in one batched forward a sequence's logits would depend
         on the sequences sharing it; alone, they depend on its own tokens only."""
         layers = self.info.feature_layers
-        return [forward_alone(self.pool, step, lambda *inputs: self.model.forward_packed(*inputs, layers))
-                for step in steps]
+
+        def forward(kv, tokens, positions, past, counts, mask):
+            return self.model.forward_packed(kv, tokens, positions, past, counts, mask, layers)
+        return [forward_alone(self.pool, step, forward) for step in steps]
 
     def verify_batch(self, steps: Sequence[VerifyStep]) -> list[VerifyResult]:
         outcomes = []
@@ -104,6 +106,7 @@ class TorchFeatureDraft(OneSequenceForms):
         self.hidden_size = self.head.shape.hidden_size  # of the features it reads
         self.info = replace(target.info, path=str(head_dir), feature_layers=(), reads_features=True)
         limits = self.info.limits
+        assert limits is not None  # a `TorchEngine`'s info always has them
         self.pool = KVPool(*self.head.shape.kv_shape, limits.max_batch, limits.max_cache_entries)
 
     def new_cache(self, capacity: int) -> PooledCache:

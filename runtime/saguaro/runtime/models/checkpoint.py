@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 from saguaro.runtime.models.llama import Llama, LlamaShape
 
 SUPPORTED_ROPE_TYPES = ("default", None, "linear", "llama3")
-ROPE_SCALING_KEYS = {"linear": ("factor",),
-                     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                                "original_max_position_embeddings")}
+ROPE_SCALING_KEYS: dict[str | None, tuple[str, ...]] = {"linear": ("factor",),
+                                                        "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                                                   "original_max_position_embeddings")}
 
 
 # A config.json key of this project's drafts that score part of the vocabulary (see

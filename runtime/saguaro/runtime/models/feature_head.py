@@ -130,6 +130,10 @@ class MidLayer(nn.Module):
 
 
 class FeatureHead(nn.Module):
+    d2t: torch.Tensor  # buffers (registered in __init__)
+    t2d: torch.Tensor
+    output_rows: torch.Tensor
+
     def __init__(self, shape: FeatureHeadShape, embed_tokens: torch.Tensor):
         super().__init__()
         self.shape = shape

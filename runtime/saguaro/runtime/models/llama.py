@@ -21,7 +21,9 @@ Parameter names match Hugging Face's, so a checkpoint's state dict loads unchang
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -185,7 +187,8 @@ class Features:
     def __init__(self, layers: tuple[int, ...], num_layers: int):
         if any(not 0 <= layer <= num_layers for layer in layers):
             raise ValueError(f"feature layers {tuple(layers)} outside 0..{num_layers} (the model's layers)")
-        self.layers, self.taken = tuple(layers), {}
+        self.layers = tuple(layers)
+        self.taken: dict[int, torch.Tensor] = {}
 
     def take(self, layer: int, h: torch.Tensor) -> None:
         if layer in self.layers:
@@ -199,6 +202,8 @@ UNSCORED = -1e9  # the logit of a token outside a draft's output vocabulary: pro
 
 
 class Llama(nn.Module):
+    output_rows: torch.Tensor  # a buffer, with an `output_vocab` (registered in __init__)
+
     def __init__(self, shape: LlamaShape):
         super().__init__()
         self.shape = shape
@@ -255,7 +260,7 @@ class Llama(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.inv_freq)
         present_keys, present_values = [], []
         features = Features(feature_layers, self.shape.num_layers)
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.model.layers)):
             features.take(i, h)
             q, k, v = self._project_qkv(layer, h, cos, sin)
             keys = torch.cat((past_keys[i], k), dim=2)
@@ -291,7 +296,7 @@ class Llama(nn.Module):
         h = self.model.embed_tokens(tokens)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         features = Features(feature_layers, self.shape.num_layers)
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.model.layers)):
             features.take(i, h)
             q, k, v = self._project_qkv(layer, h, cos, sin)
             keys, values = kv[i, 0], kv[i, 1]
