@@ -134,10 +134,11 @@ def test_make_models_kind_and_feature_layers(tmp_path):
     from saguaro.modelmaker.cli import draft_settings, parse_args
 
     common = ["--draft-for", str(tmp_path / "target"), "--out", str(tmp_path / "out")]
-    assert parse_args(common).kind == "pruned"  # the default until the runtime drafts with heads
-    args = parse_args(common + ["--kind", "feature", "--feature-layers", "2,15,27", "--output-vocab", "1000"])
+    assert parse_args(common).kind == "feature"  # the default: it beats the pruned draft on SmolLM2
+    assert parse_args(common + ["--kind", "pruned", "--layers", "4"]).layers == 4
+    args = parse_args(common + ["--feature-layers", "2,15,27", "--output-vocab", "1000"])
     assert args.feature_layers == (2, 15, 27) and draft_settings(args).draft_vocab_size == 1000
-    for wrong in (["--feature-layers", "1,2"], ["--kind", "feature", "--layers", "4"],
+    for wrong in (["--kind", "pruned", "--feature-layers", "1,2"], ["--layers", "4"],
                   ["--kind", "feature", "--feature-layers", "2,x"]):
         with pytest.raises(SystemExit):
             parse_args(common + wrong)

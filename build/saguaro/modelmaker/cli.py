@@ -3,9 +3,9 @@
     python scripts/make_models.py --size tiny             # models/tiny, about 30 s
     python scripts/make_models.py --size bench            # models/bench, about 25 min
     python scripts/make_models.py --size tiny --out /tmp/pair --seed 1 --force
-    python scripts/make_models.py --draft-for models/smollm2 --out models/smollm2-draft [--preset quick]
-    python scripts/make_models.py --draft-for models/smollm2 --out models/smollm2-head --kind feature \
-        [--preset quick] [--feature-layers 2,15,27]
+    python scripts/make_models.py --draft-for models/smollm2 --out models/smollm2-head [--preset quick] \
+        [--feature-layers 2,15,27]                        # an EAGLE-3 feature head (the default kind)
+    python scripts/make_models.py --draft-for models/smollm2 --out models/smollm2-draft --kind pruned
 
 An existing pair with the same size and seed (or draft with the same settings) is kept
 unless --force is given.
@@ -60,15 +60,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     drafting = parser.add_argument_group("with --draft-for")
     drafting.add_argument("--preset", choices=sorted(draft_for.PRESETS), default="full",
                           help="full: the 30-minute draft; quick: about two minutes, weaker")
-    drafting.add_argument("--kind", choices=("pruned", KIND_FEATURE), default="pruned",
-                          help="pruned: a few of the target's layers, distilled; feature: an EAGLE-3 head "
-                               "reading the target's hidden states (release format)")
+    drafting.add_argument("--kind", choices=("pruned", KIND_FEATURE), default=KIND_FEATURE,
+                          help="feature (the default: it agrees with the target more, at less cost per step): "
+                               "an EAGLE-3 head reading the target's hidden states (release format); pruned: a "
+                               "few of the target's layers, distilled")
     drafting.add_argument("--feature-layers", type=layer_list, metavar="I,J,K",
                           help="with --kind feature: the hidden states entering these target layers "
                                "(default 2, L/2, L-3)")
     drafting.add_argument("--layers", type=int, help="target layers the draft keeps (default 4)")
-    drafting.add_argument("--output-vocab", type=int, help="tokens the draft scores (default 8192; quick feature "
-                                                            "head 4096)")
+    drafting.add_argument("--output-vocab", type=int, help="tokens the draft scores (default 8192)")
     drafting.add_argument("--steps", type=int, help="distillation steps")
     drafting.add_argument("--threads", type=int, help="torch threads (default 2)")
     args = parser.parse_args(argv)
@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.kind != KIND_FEATURE and args.feature_layers is not None:
         parser.error("--feature-layers goes with --kind feature")
     if args.kind == KIND_FEATURE and args.layers is not None:
-        parser.error("--layers goes with --kind pruned (a feature head has one layer; see --feature-layers)")
+        parser.error("--layers goes with --kind pruned (a feature head, the default kind, has one layer; "
+                     "see --feature-layers)")
     args.out = args.out if args.out is not None else Path("models") / args.size
     # The nearest existing path must be a folder; mkdir would otherwise fail mid-way.
     existing = next((p for p in (args.out, *args.out.parents) if p.exists()), None)
@@ -109,6 +110,7 @@ def describe(report: dict) -> str:
 
 
 def draft_settings(args: argparse.Namespace):
+    settings: feature_draft.FeatureDraftSettings | draft_for.DraftSettings
     if args.kind == KIND_FEATURE:
         settings = feature_draft.PRESETS[args.preset]
         changes = {"draft_vocab_size": args.output_vocab, "threads": args.threads, "seed": args.seed}

@@ -18,6 +18,9 @@ QUESTION_FORMS = (
     "What are the pros and cons of {}?", "Write a haiku about {}.", "Summarise the history of {}.",
     "What is a common misconception about {}?", "How do I get started with {}?",
     "Compare {} with something similar.",
+    "Tell me about {}.", "What should a beginner know about {}?", "List five interesting things about {}.",
+    "Can you explain how {} works?", "Write a short story involving {}.", "What are the main ideas behind {}?",
+    "Give me a quick overview of {}.", "What questions do people often ask about {}?",
 )
 SUBJECTS = (
     "photosynthesis", "the French Revolution", "Python lists", "black holes", "the water cycle",
@@ -27,6 +30,15 @@ SUBJECTS = (
     "inflation", "the Great Wall of China", "gravity", "sleep", "chess", "rainbows", "DNA", "Paris",
     "sorting algorithms", "the ocean tides", "renewable energy", "the printing press", "origami",
     "prime numbers", "the Amazon rainforest", "bread baking", "solar panels", "earthquakes",
+    "the Renaissance", "cats", "dogs", "the immune system", "rivers", "ancient Egypt", "bicycles",
+    "the piano", "cloud computing", "blockchain", "the periodic table", "photography", "gardening",
+    "the solar system", "World War II", "the brain", "public speaking", "meditation", "pizza",
+    "the Eiffel Tower", "spiders", "airplanes", "the Industrial Revolution", "linear algebra", "poetry",
+    "databases", "the human skeleton", "recycling", "football", "time management", "dinosaurs",
+    "the Silk Road", "hurricanes", "chocolate", "robots", "the Mona Lisa", "electricity", "yoga",
+    "social media", "the printing of money", "glaciers", "opera", "the Nile", "computer viruses",
+    "vitamins", "the Cold War", "marathons", "nuclear power", "the alphabet", "operating systems",
+    "coral reefs", "the telephone", "friendship", "budgeting", "tsunamis", "mushrooms",
 )
 HELD_OUT_SUBJECTS = (
     "the capital of France", "penguins", "the theory of relativity", "tea", "the Olympic Games",
@@ -49,7 +61,8 @@ def questions(subjects: tuple[str, ...], count: int, seed: int) -> list[str]:
 
 def text_windows(texts: list[str], count: int, seed: int) -> list[str]:
     """`count` windows of documentation text, each starting at a word boundary."""
-    rng, windows = random.Random(seed), []
+    rng = random.Random(seed)
+    windows: list[str] = []
     usable = [text for text in texts if len(text) > 2 * TEXT_WINDOW_CHARACTERS]
     while usable and len(windows) < count:
         text = rng.choice(usable)
