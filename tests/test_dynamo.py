@@ -262,7 +262,7 @@ def test_without_migration_a_stopped_or_dead_workers_requests_end_with_an_error(
     (["--system-port", "40000"], "--system-port must be in 1..32767"),
     (["--chat-template", "/no/such/template.jinja"], "--chat-template /no/such/template.jinja: no such file"),
     (["--drain-timeout", "-1"], "--drain-timeout must be >= 0"),
-    (["--num-draft-tokens", "99"], "--num-draft-tokens 99 exceeds the engines' built maximum"),
+    (["--num-draft-tokens", "99"], "--num-draft-tokens: 99 draft tokens exceed the engines' built maximum"),
 ])
 def test_the_worker_refuses_a_bad_flag_naming_it_before_loading(tiny_engines, flags, named, capsys):
     from saguaro.serving.dynamo_worker import main

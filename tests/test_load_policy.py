@@ -244,7 +244,7 @@ class Disagreeing:
 def with_costs_by_hand(pipeline: Pipeline) -> Pipeline:
     """The decoder's policy on the costs of the tests above, held (no calibration, no
     following), so that its choices depend on the acceptance the real rounds show only."""
-    policy = pipeline.schedulers[0].decoder.policy
+    policy = pipeline.schedulers[0].decoder.load_policy
     policy.verify_cost, policy.draft_cost = measured(0.004, 0.0003), measured(0.0003, 0.00002)
     policy.tree_cost, policy.alone_cost = policy.draft_cost, policy.verify_cost
     for name in ("observe_verify", "observe_drafting", "observe_prespeculation", "observe_host"):
@@ -305,7 +305,7 @@ def test_with_speculation_off_the_draft_catches_up_while_the_target_verifies_on_
     target, prompt, expected, never = tiny_reference
     pipeline = with_costs_by_hand(Pipeline(target, Disagreeing(TorchEngine(tiny_pair / "draft"), never)))
     decoder = pipeline.schedulers[0].decoder
-    decoder.alone = decoder.policy.alone = False
+    decoder.alone = decoder.load_policy.alone = False
     lags = []
     pipeline.observe_rounds(lambda batch: lags.append((batch[0].plan.draft_tokens,
                                                        batch[0].speculator.lag(batch[0].out.ids))))
@@ -369,7 +369,7 @@ def test_the_wide_session_gives_the_same_logits_and_tokens(tiny_engines):
     for alone in (True, False):
         pipeline = Pipeline.load(engines=tiny_engines)
         decoder = pipeline.schedulers[0].decoder
-        decoder.alone = decoder.policy.alone = alone
+        decoder.alone = decoder.load_policy.alone = alone
         prompt = pipeline.encode("The with statement")
         outputs[alone] = [pipeline.generate(prompt, DecodeOptions(mode=mode, num_draft_tokens=4, adapt_k=adapt,
                                                                   max_tokens=40, eos_token_id=-1),
@@ -395,3 +395,19 @@ def test_generate_says_what_the_policy_chose():
         on.record_round(accepted, drafted, prespeculated=prespeculated)
     assert policy_summary(on.as_dict()) == ("load policy: K=4 in 90% of rounds (mean K per round 3.80), with "
                                             "pre-speculation in 90% of rounds; acceptance 0.71 per draft; no probe")
+
+
+def test_a_decoder_shortens_the_gil_switch_interval_so_the_target_is_not_kept_waiting(tiny_pair):
+    """The draft worker's Python must not hold the target's thread for CPython's default 5 ms
+    each time it comes back from an engine call."""
+    import sys
+
+    from saguaro.runtime.decoding.decoder import GIL_SWITCH_SECONDS
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        Pipeline.load(tiny_pair / "target", tiny_pair / "draft").close()
+        assert sys.getswitchinterval() <= GIL_SWITCH_SECONDS < 0.005
+    finally:
+        sys.setswitchinterval(previous)

@@ -551,7 +551,7 @@ def test_checkpoints_fill_the_templates_too(tiny_pair, tmp_path):
 
 
 def test_knobs_beyond_the_engines_limits_are_refused(tiny_engines):
-    with pytest.raises(ValueError, match="--num-draft-tokens 99"):
+    with pytest.raises(ValueError, match="--num-draft-tokens: 99 draft tokens exceed the engines. built maximum"):
         values_from_args(parse_args(["--engines", str(tiny_engines), "--num-draft-tokens", "99"]))
 
 

@@ -78,34 +78,45 @@ def _is_core_list(value) -> bool:
     return value is None or (isinstance(value, (list, tuple)) and all(_is_int(c) and c >= 0 for c in value))
 
 
-# key -> (type check, what the error says it expected)
-TOP_LEVEL_TYPES = {
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_path(value) -> bool:
+    return isinstance(value, (str, Path))
+
+
+# What a field's annotation admits in YAML: (type check, what the error says it expected).
+CHECKS_BY_TYPE = {
+    "int": (_is_int, "an integer"),
+    "float": (_is_number, "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "Path": (_is_path, "a path"),
+    "tuple[int, ...] | None": (_is_core_list, "a list of core numbers or null"),
+}
+# Fields whose values mean more than their type says.
+SPECIAL_CHECKS = {
     "name": (_is_name, "a name of letters, digits, '-' or '_'"),
-    "target": (lambda v: isinstance(v, (str, Path)), "a checkpoint folder path"),
-    "draft": (lambda v: isinstance(v, (str, Path)), "a checkpoint or feature head (EAGLE-3) folder path"),
-    "backend": (lambda v: isinstance(v, str), "a string"),
-    "precision": (lambda v: isinstance(v, str), "a string"),
-    "max_draft_tokens": (_is_int, "an integer"),
-    "max_branches": (_is_int, "an integer"),
-    "max_context": (_is_int, "an integer"),
-    "max_batch": (_is_int, "an integer"),
-    "opset": (_is_int, "an integer"),
-    "session": (lambda v: v is None or isinstance(v, dict), "a mapping (threads, pin_cores, spin)"),
-    "tensorrt_llm": (lambda v: v is None or isinstance(v, dict),
-                     "a mapping (draft_backend, max_batch_size, kv_cache_free_gpu_memory_fraction, single_process)"),
+    "target": (_is_path, "a checkpoint folder path"),
+    "draft": (_is_path, "a checkpoint or feature head (EAGLE-3) folder path"),
 }
-SESSION_TYPES = {
-    "threads": (_is_int, "an integer"),
-    "pin_cores": (_is_core_list, "a list of core numbers or null"),
-    "spin": (lambda v: isinstance(v, bool), "true or false"),
-}
-TENSORRT_LLM_TYPES = {
-    "draft_backend": (lambda v: isinstance(v, str), "a string"),
-    "max_batch_size": (_is_int, "an integer"),
-    "kv_cache_free_gpu_memory_fraction": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-                                          "a number"),
-    "single_process": (lambda v: isinstance(v, bool), "true or false"),
-}
+
+
+def key_types(cls) -> dict:
+    """key -> (type check, expected) for every field of the dataclass `cls`, read from its
+    annotations; a nested dataclass is a mapping of its own fields (or null)."""
+    types = {}
+    for field in dataclasses.fields(cls):
+        default = field.default
+        if dataclasses.is_dataclass(default):
+            names = ", ".join(f.name for f in dataclasses.fields(default))
+            types[field.name] = (lambda v: v is None or isinstance(v, dict), f"a mapping ({names})")
+        else:
+            types[field.name] = SPECIAL_CHECKS.get(field.name) or CHECKS_BY_TYPE[str(field.type)]
+    return types
+
+
 REQUIRED = ("name", "target", "draft")
 
 
@@ -151,16 +162,16 @@ def config_from_dict(raw: Any, where: str = "config") -> BuildConfig:
     """Validate a parsed YAML mapping into a `BuildConfig`; `where` names it in errors."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping of keys to values, got {type(raw).__name__}")
-    _check_keys_and_types(raw, TOP_LEVEL_TYPES, where)
+    _check_keys_and_types(raw, key_types(BuildConfig), where)
     missing = [key for key in REQUIRED if key not in raw]
     if missing:
         raise ConfigError(f"{where}: missing required key {missing[0]!r}")
     session_raw = raw.get("session") or {}
-    _check_keys_and_types(session_raw, SESSION_TYPES, f"{where}: session")
+    _check_keys_and_types(session_raw, key_types(SessionSettings), f"{where}: session")
     pins = session_raw.get("pin_cores")
     session = SessionSettings(**{**session_raw, "pin_cores": tuple(pins) if pins is not None else None})
     tensorrt_llm_raw = raw.get("tensorrt_llm") or {}
-    _check_keys_and_types(tensorrt_llm_raw, TENSORRT_LLM_TYPES, f"{where}: tensorrt_llm")
+    _check_keys_and_types(tensorrt_llm_raw, key_types(TensorRTLLMSettings), f"{where}: tensorrt_llm")
     try:
         tensorrt_llm = TensorRTLLMSettings(**tensorrt_llm_raw)
     except ValueError as error:

@@ -22,9 +22,10 @@ import json
 import shutil
 import time
 from collections import Counter
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from safetensors.torch import save_file
@@ -38,8 +39,16 @@ from saguaro.runtime.models.checkpoint import OUTPUT_VOCAB_KEY, CheckpointError,
 from saguaro.runtime.models.llama import Llama
 from saguaro.runtime.models.prompts import chat_messages, encode_chat, encode_text, has_chat_template
 
-if TYPE_CHECKING:  # a feature draft's answers are counted here too
-    from saguaro.modelmaker.feature_draft import Answer
+
+class Answered(Protocol):
+    """A prompt and the target's continuation: a pruned draft's `Sequence`, a feature
+    head's `feature_draft.Answer`."""
+
+    ids: list[int]
+    start: int
+
+    @property
+    def continuation(self) -> list[int]: ...
 
 REPORT_FILE = "draft.json"
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -109,7 +118,7 @@ def target_generations(target, tokenizer, prompts: list[Prompt], new_tokens: int
     return sequences
 
 
-def output_vocabulary(sequences: list[Sequence] | list[Answer], size: int, vocab_size: int,
+def output_vocabulary(sequences: Seq[Answered], size: int, vocab_size: int,
                       always: tuple[int, ...]) -> torch.Tensor:
     """The `size` token ids the draft scores: end-of-generation tokens, then the target's
     outputs by frequency, then prompt tokens, then the lowest ids (in a BPE vocabulary,
@@ -219,7 +228,7 @@ def make_draft_for(target_dir: str | Path, out: str | Path, settings: DraftSetti
     return report
 
 
-def coverage(sequences: list[Sequence] | list[Answer], vocab_ids: torch.Tensor) -> float:
+def coverage(sequences: Seq[Answered], vocab_ids: torch.Tensor) -> float:
     """Share of held-out target tokens the draft can propose at all."""
     tokens = torch.tensor([t for s in sequences for t in s.continuation])
     return float(torch.isin(tokens, vocab_ids).float().mean())

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from saguaro.runtime.core.contracts import Engine, RequestTarget
-from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.options import DecodeOptions, LimitError, check_engine_limits
 from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.decoding import tensorrt_llm_loop
 from saguaro.runtime.decoding.decoder import Cancelled, Decoder, Generation, OnStart, OnTokens, Request
@@ -175,15 +175,11 @@ class Pipeline:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise RequestError(f"{names.prompt}: token ids must lie in [0, {vocab}); "
                                f"got {min(prompt_ids)}..{max(prompt_ids)}")
-        limit = self.draft.info.max_draft_tokens
-        if limit is not None and options.draft_tokens > limit:
-            raise RequestError(f"{names.num_draft_tokens}: {options.draft_tokens} draft tokens exceed the "
-                               f"engines' built maximum {limit}")
-        branches = self.draft.info.max_branches
-        wanted = options.fanout_policy(branches).max_branches
-        if branches is not None and options.prespeculating and wanted > branches:
-            raise RequestError(f"{names.branches}: {wanted} branches exceed the engines' built maximum "
-                               f"{branches} ({names.lower})")
+        try:
+            check_engine_limits(options, self.draft.info.max_draft_tokens, self.draft.info.max_branches,
+                                names.num_draft_tokens, names.branches, names.lower)
+        except LimitError as error:
+            raise RequestError(str(error)) from None
         if isinstance(self.target, RequestTarget):
             try:
                 self.target.check_options(options)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import cast
 
 from saguaro.runtime.arguments import DECODE_DEFAULTS, add_decoding_arguments
-from saguaro.runtime.core.options import DecodeOptions, hidden_branch_options
+from saguaro.runtime.core.options import DecodeOptions, check_engine_limits, hidden_branch_options
 from saguaro.runtime.engines.calibration import hidden_branches_from_manifest
 from saguaro.runtime.engines.manifest import read_manifest
 from saguaro.runtime.engines.torch_engine import DEFAULT_MAX_CONTEXT as TORCH_MAX_CONTEXT
@@ -101,11 +101,7 @@ def default_options(source: ModelSource, mode: str, num_draft_tokens: int | None
         fanout = (max(1, min(max(DECODE_DEFAULTS.fanout), source.max_branches // (k + 1))),)
     options = DecodeOptions(mode=mode, num_draft_tokens=k, fanout=fanout or DECODE_DEFAULTS.fanout, budget=budget,
                             adapt_k=adapt_k)
-    if source.max_draft_tokens is not None and k > source.max_draft_tokens:
-        raise ValueError(f"--num-draft-tokens {k} exceeds the engines' built maximum {source.max_draft_tokens}")
-    branches = options.fanout_policy(source.max_branches).max_branches
-    if source.max_branches is not None and options.prespeculating and branches > source.max_branches:
-        raise ValueError(f"{branches} branches exceed the engines' built maximum {source.max_branches}")
+    check_engine_limits(options, source.max_draft_tokens, source.max_branches)
     return options
 
 

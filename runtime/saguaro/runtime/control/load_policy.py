@@ -269,7 +269,10 @@ class LoadPolicy:
         self.alone_cost = CostCurve()  # verify(N) with nothing of the draft's beside it (`run_alone`)
         self.alone = alone
         self._unspeculated_rounds = 0  # rounds asked `runs_alone`
-        self.host_cost = LinearCost()
+        # host work per round, apart for rounds that draft (proposals, features, commits) and
+        # rounds that do not: on a small target it is a large share of a round, and K > 0
+        # must pay for its own
+        self.host_cost, self.drafting_host_cost = LinearCost(), LinearCost()
         self.shared = {greedy: Acceptance(fading=SHARED_FADING) for greedy in (True, False)}
         self._engines = (target, draft)
 
@@ -286,9 +289,16 @@ class LoadPolicy:
         if steps:
             self.tree_cost.observe(rows, seconds / steps)
 
-    def observe_host(self, requests: int, seconds: float) -> None:
-        """What a round took beyond its forwards and waits, which every round pays."""
-        self.host_cost.observe(requests, max(seconds, 0.0))
+    def observe_host(self, requests: int, seconds: float, drafted: bool = False) -> None:
+        """What a round took beyond its forwards and waits; `drafted`: a round in which some
+        request verified drafts."""
+        (self.drafting_host_cost if drafted else self.host_cost).observe(requests, max(seconds, 0.0))
+
+    def _host_seconds(self, requests: int, drafting: bool) -> float:
+        """Until a drafting round was measured, its host work is taken as a plain round's."""
+        if drafting and self.drafting_host_cost.known:
+            return self.drafting_host_cost(requests)
+        return self.host_cost(requests)
 
     def record_round(self, own: Acceptance, greedy: bool, verified: int, accepted: int) -> None:
         for counts in (own, self.shared[greedy]):
@@ -368,7 +378,7 @@ class LoadPolicy:
         drafting = [(c, k) for c, k in zip(candidates, ks) if k]
         speculating = [k for c, k in drafting if c.prespeculating]
         verify = self._verify_seconds(sum(k + 1 for k in ks), alone=not speculating)
-        host = self.host_cost(len(candidates))
+        host = self._host_seconds(len(candidates), drafting=bool(drafting))
         if not drafting:
             return verify + host
         misses = sum(1 - c.hit for c, _ in drafting)

@@ -19,6 +19,10 @@ AUTO_BUDGET_CAP = 16   # budget "auto": B adapts within [1, 16] (or the engines'
 
 @dataclass(frozen=True)
 class DecodeOptions:
+    """A request's decoding knobs. The library default pins K (`adapt_k` False), so a caller
+    gets the K it asks for and a seed replays exactly; the command lines and the servers
+    turn the load policy on (their `--fixed-k` pins K)."""
+
     mode: str = "ssd"
     num_draft_tokens: int = 4
     fanout: tuple[int, ...] = DEFAULT_FANOUT  # F_j: one value for every depth, or K+1 values
@@ -118,3 +122,21 @@ def hidden_branch_options(hidden_branches: int | None, num_draft_tokens: int) ->
     if hidden_branches >= 1:
         return {"fanout": DEFAULT_FANOUT, "budget": hidden_branches}
     return {"fanout": (0,), "budget": None}
+
+
+class LimitError(ValueError):
+    """A request past what the engines were built for; the message names the input."""
+
+
+def check_engine_limits(options: DecodeOptions, max_draft_tokens: int | None, max_branches: int | None,
+                        draft_name: str = "--num-draft-tokens", branches_name: str = "--fanout/--budget",
+                        hint: str = "lower --fanout or --budget") -> None:
+    """The one check of K and the branches a request places against the engines' built
+    maximums (None: not bounded), before any work."""
+    if max_draft_tokens is not None and options.draft_tokens > max_draft_tokens:
+        raise LimitError(f"{draft_name}: {options.draft_tokens} draft tokens exceed the engines' built maximum "
+                         f"{max_draft_tokens}")
+    wanted = options.fanout_policy(max_branches).max_branches
+    if max_branches is not None and options.prespeculating and wanted > max_branches:
+        raise LimitError(f"{branches_name}: {wanted} branches exceed the engines' built maximum {max_branches} "
+                         f"({hint})")

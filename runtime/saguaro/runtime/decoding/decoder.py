@@ -16,6 +16,7 @@ if any, were made before it), so the target verifies alone, on the draft's core 
 """
 from __future__ import annotations
 
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -31,6 +32,13 @@ from saguaro.runtime.core.stats import GenerationStats, stopwatch
 from saguaro.runtime.decoding.rounds import take_speculation
 from saguaro.runtime.decoding.speculator import Speculator, empty_draft, lockstep
 from saguaro.runtime.decoding.verifier import Verifier
+
+# While the target's thread waits in an engine call the draft worker runs Python (branch
+# planning, commits), holding the GIL; back from the call, the target's thread waits for it
+# up to CPython's switch interval (5 ms by default) each time. Measured (ONNX Runtime int8,
+# SmolLM2-135M, a verify of 5 tokens): 17.8 ms alone, 62 ms beside a Python-bound thread at
+# 5 ms, 20 ms at 0.2 ms.
+GIL_SWITCH_SECONDS = 0.0002
 
 OnTokens = Callable[[list[int]], None]
 Cancelled = Callable[[], bool]
@@ -102,12 +110,12 @@ class Sequence:
         self.request, self.k = request, options.draft_tokens
         self.stats = GenerationStats(options.mode, self.k)
         self.out = Output(request, target.info.max_context)
-        self.policy = options.fanout_policy(draft.info.max_branches)
+        self.fanout_policy = options.fanout_policy(draft.info.max_branches)
         self.prespeculating = options.prespeculating
         self.verifier = Verifier(target, request.sampling, self.k)
         self.speculator: Speculator | None = None
         if self.k > 0:
-            branches = self.policy.max_branches if self.prespeculating else 0
+            branches = self.fanout_policy.max_branches if self.prespeculating else 0
             self.speculator = Speculator(draft, request.sampling, options.saguaro(request.sampling),
                                          draft_cache_capacity(target.info.max_context, branches, self.k))
         self.empty = empty_draft(draft.info.vocab_size, request.sampling)
@@ -199,7 +207,7 @@ class Sequence:
         self.after_hit = False
         if self.done or speculation is None:
             return None
-        self.proposal = take_speculation(self.drafter, self.policy, self.stats, self.out.ids, drafted,
+        self.proposal = take_speculation(self.drafter, self.fanout_policy, self.stats, self.out.ids, drafted,
                                          speculation, outcome, verify_s)
         self.after_hit = self.proposal is not None
         return self.after_hit
@@ -228,7 +236,8 @@ class Decoder:
         """`alone` False: other decoders share the engines, so the target never runs alone."""
         self.target, self.draft, self.alone = target, draft, alone
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="draft")
-        self.policy = LoadPolicy(target, draft, alone)
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_SECONDS))  # process-wide
+        self.load_policy = LoadPolicy(target, draft, alone)
 
     def close(self) -> None:
         self.worker.shutdown(wait=True)
@@ -237,7 +246,7 @@ class Decoder:
         """New sequences: the target prefills their prompts (one batched forward); the
         draft drafts their first proposals in their first round, as the policy plans it."""
         if any(request.options.adapt_k for request in requests):
-            self.policy.calibrate()
+            self.load_policy.calibrate()
         if self.alone:
             with self.target.run_alone():
                 pass  # opens the target's wide session now, outside any request's time
@@ -256,17 +265,18 @@ class Decoder:
         load policy: what the forwards and waits leave over is the round's host work."""
         with stopwatch() as whole:
             verify_s, wait_s, draft_s = self._round(batch)
-        self.policy.observe_host(len(batch), whole.seconds - verify_s - wait_s - draft_s)
+        drafted = any(sequence.plan.draft_tokens for sequence in batch)
+        self.load_policy.observe_host(len(batch), whole.seconds - verify_s - wait_s - draft_s, drafted)
 
     def _round(self, batch: list[Sequence]) -> tuple[float, float, float]:
         """The round itself; returns its verify, wait and critical drafting seconds."""
-        for sequence, plan in zip(batch, self.policy.choose(batch)):
+        for sequence, plan in zip(batch, self.load_policy.choose(batch)):
             sequence.prepare(plan)
         drafting_s = self.draft_misses(batch)
         speculating = [s for s in batch if s.speculates]
         steps = [s.verification() for s in batch]  # before the worker starts: it competes for the GIL
         tokens = sum(len(step.step.tokens) for step in steps)
-        alone = self.alone and not speculating and self.policy.runs_alone(tokens)
+        alone = self.alone and not speculating and self.load_policy.runs_alone(tokens)
         pending = self.worker.submit(self.prespeculate, speculating)
         # the draft's core is free while a round without pre-speculation verifies on its own
         # core: sequences that draft nothing bring their draft caches up to date meanwhile,
@@ -276,7 +286,7 @@ class Decoder:
                                                                       for s in lagging])
         with stopwatch() as verifying, self.target.run_alone() if alone else nullcontext():
             outcomes = self.target.verify_batch(steps)
-        self.policy.observe_verify(tokens, verifying.seconds, alone)
+        self.load_policy.observe_verify(tokens, verifying.seconds, alone)
         with stopwatch() as waiting:
             speculations = dict(zip(map(id, speculating), pending.result()))
             if catching:
@@ -284,10 +294,10 @@ class Decoder:
         for sequence, outcome in zip(batch, outcomes):
             sequence.stats.verify_s += verifying.seconds
             sequence.stats.wait_s += waiting.seconds
-            self.policy.record_round(sequence.acceptance, sequence.greedy, sequence.verified, outcome.accepted)
+            self.load_policy.record_round(sequence.acceptance, sequence.greedy, sequence.verified, outcome.accepted)
             hit = sequence.commit(outcome, speculations.get(id(sequence)), verifying.seconds)
             if hit is not None:
-                self.policy.record_lookup(sequence.acceptance, sequence.greedy, hit)
+                self.load_policy.record_lookup(sequence.acceptance, sequence.greedy, hit)
         return verifying.seconds, waiting.seconds, drafting_s
 
     def prespeculate(self, batch: list[Sequence]) -> list[SpeculationCache]:
@@ -295,13 +305,13 @@ class Decoder:
         with stopwatch() as elapsed:
             speculations = lockstep(self.draft, [
                 s.drafter.prespeculate(s.out.ids, s.round_proposal,
-                                       s.policy.fanout(s.round_draft_tokens + 1, s.plan.branches))
+                                       s.fanout_policy.fanout(s.round_draft_tokens + 1, s.plan.branches))
                 for s in batch])
         for sequence, speculation in zip(batch, speculations):
             speculation.seconds = elapsed.seconds
             sequence.stats.prespeculate_s += elapsed.seconds
         if batch:
-            self.policy.observe_prespeculation(sum(len(s.drafts) for s in speculations),
+            self.load_policy.observe_prespeculation(sum(len(s.drafts) for s in speculations),
                                                max(s.round_draft_tokens for s in batch) + 1, elapsed.seconds)
         return speculations
 
@@ -320,5 +330,5 @@ class Decoder:
             sequence.proposal = draft
             sequence.stats.draft_s += drafting.seconds
         if steady:
-            self.policy.observe_drafting(len(needing), max(len(draft) for draft in drafts), drafting.seconds)
+            self.load_policy.observe_drafting(len(needing), max(len(draft) for draft in drafts), drafting.seconds)
         return drafting.seconds

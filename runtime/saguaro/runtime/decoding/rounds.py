@@ -21,12 +21,12 @@ from saguaro.runtime.core.stats import GenerationStats, timed
 from saguaro.runtime.decoding.speculator import Speculator, lockstep
 
 
-def take_speculation(speculator: Speculator, policy, stats: GenerationStats, ids: list[int], drafted,
+def take_speculation(speculator: Speculator, fanout_policy, stats: GenerationStats, ids: list[int], drafted,
                      speculation: SpeculationCache, outcome: VerifyResult, verify_s: float) -> Draft | None:
     """After `outcome` (with `ids` now committed): the hit branch's draft, or None on a miss."""
     stats.branches_drafted += len(speculation.drafts)
-    policy.observe(outcome.accepted, bonus_rank(speculation.scores, drafted, outcome.accepted, outcome.bonus))
-    policy.observe_timing(verify_s, speculation.seconds)
+    fanout_policy.observe(outcome.accepted, bonus_rank(speculation.scores, drafted, outcome.accepted, outcome.bonus))
+    fanout_policy.observe_timing(verify_s, speculation.seconds)
     branch = speculation.lookup(outcome.accepted, outcome.bonus)
     if branch is None:
         stats.cache_misses += 1
@@ -36,9 +36,9 @@ def take_speculation(speculator: Speculator, policy, stats: GenerationStats, ids
 
 
 class DraftRounds:
-    def __init__(self, speculator: Speculator, k: int, policy, stats: GenerationStats, worker: Executor,
+    def __init__(self, speculator: Speculator, k: int, fanout_policy, stats: GenerationStats, worker: Executor,
                  prespeculating: bool):
-        self.speculator, self.k, self.policy, self.stats, self.worker = speculator, k, policy, stats, worker
+        self.speculator, self.k, self.fanout_policy, self.stats, self.worker = speculator, k, fanout_policy, stats, worker
         self.prespeculating = prespeculating
         self._pending: Future | None = None
         self._speculation: SpeculationCache | None = None
@@ -59,7 +59,7 @@ class DraftRounds:
     def _prespeculate(self, ids, proposal: Draft) -> SpeculationCache:
         """Runs in the worker, so even choosing the fan-out stays off the critical path."""
         with timed(self.stats, "prespeculate_s") as elapsed:
-            speculation = self._alone(self.speculator.prespeculate(ids, proposal, self.policy.fanout()))
+            speculation = self._alone(self.speculator.prespeculate(ids, proposal, self.fanout_policy.fanout()))
         speculation.seconds = elapsed.seconds
         return speculation
 
@@ -74,7 +74,7 @@ class DraftRounds:
         """After `outcome` (with `ids` now committed): the cached branch on a hit, else a new draft."""
         speculation, self._speculation = self._speculation, None
         if speculation is not None:
-            hit = self.worker.submit(take_speculation, self.speculator, self.policy, self.stats, ids,
+            hit = self.worker.submit(take_speculation, self.speculator, self.fanout_policy, self.stats, ids,
                                      proposal.tokens, speculation, outcome, verify_seconds).result()
             if hit is not None:
                 return hit

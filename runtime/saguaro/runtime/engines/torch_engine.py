@@ -18,6 +18,9 @@ from saguaro.runtime.engines.kv_cache import KVPool, PooledCache
 from saguaro.runtime.core.logprobs import verify_result
 
 # What a checkpoint run eagerly is sized for (a compiled engine's come from its build).
+# An eager engine compiles nothing, so it has no built maximum; these bounds only size its
+# caches. Branches: twice a build's default (compiler.config), so fan-outs over any K up to
+# 8 fit without a build.
 DEFAULT_LIMITS = dict(max_draft_tokens=8, max_branches=32, max_batch=8)
 DEFAULT_MAX_CONTEXT = 4096  # or the model's own, if shorter: it bounds every KV slot (zeroed lazily by the OS)
 
