@@ -59,13 +59,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import torch
-
-from saguaro.runtime.core.contracts import Step
-from saguaro.runtime.core.stats import stopwatch
+from saguaro.runtime.control.costs import calibration_context, forward_seconds
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96)  # tokens or rows per forward
-CALIBRATION_CONTEXT = 64                # cached tokens behind them (at most half the context)
 FADING = 0.98                     # weight of older host-time measurements after each new one
 MOST_BRANCHES = 1 << 12           # per request: beyond any engine's built maximum
 FOLLOWING = 0.1                   # how far one measurement moves the cost curve toward itself
@@ -179,21 +175,13 @@ class LinearCost:
 
 
 def calibrate(engine, cost: CostCurve, sizes=CALIBRATION_SIZES) -> None:
-    """A few forwards of different sizes in one spare cache, so that the first rounds'
-    choice has costs to go on (a forward's cost depends on the machine, not the request)."""
-    context = min(CALIBRATION_CONTEXT, engine.info.max_context // 2)
-    largest = min(max(sizes), engine.info.max_context - context - 1, engine.info.limits.max_cache_entries - context)
-    cache = engine.new_cache(context + largest)
-    try:
-        engine.forward_batch([Step(cache, torch.ones(context, dtype=torch.int64), torch.arange(context))])
-        for size in [s for s in sizes if s <= largest] * 2:  # the first pass warms up
-            with stopwatch() as elapsed:
-                engine.forward_batch([Step(cache, torch.ones(size, dtype=torch.int64),
-                                           torch.arange(context, context + size))])
-            cache.truncate(context)
-            cost.observe(size, elapsed.seconds, lasting=True)
-    finally:
-        cache.release()
+    """A few forwards of different sizes, timed as every calibration is (`costs`), so that
+    the first rounds' choice has costs to go on (a forward's cost depends on the machine,
+    not the request). Two passes over the sizes; both count, the first being the costlier."""
+    context = calibration_context(engine.info.max_context)
+    largest = min(max(sizes), engine.info.max_context - context - 1, engine.info.limits.max_cache_entries - context - 1)
+    for size, seconds in forward_seconds(engine, context, [s for s in sizes if s <= largest], passes=2):
+        cost.observe(size, seconds, lasting=True)
 
 
 @dataclass

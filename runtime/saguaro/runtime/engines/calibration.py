@@ -17,9 +17,8 @@ import platform
 import time
 from dataclasses import asdict, dataclass
 
-from saguaro.runtime.control.costs import forward_cost
+from saguaro.runtime.control.costs import calibration_context, forward_cost
 
-CALIBRATION_CONTEXT = 128  # cached tokens during the timed forwards (capped by the engines' context)
 CALIBRATION_REPEATS = 7
 # The fastest of the timed calls: a build machine is often busy with other work, and a
 # call preempted by a neighbour says nothing about what a round costs.
@@ -68,10 +67,6 @@ class BranchCalibration:
                    verify_ms={int(k): ms for k, ms in record["verify_ms"].items()},
                    tree_step_ms={int(b): ms for b, ms in record["tree_step_ms"].items()},
                    machine=record.get("machine", ""), date=record.get("date", ""))
-
-
-def calibration_context(max_context: int) -> int:
-    return min(CALIBRATION_CONTEXT, max_context // 2)
 
 
 def measure_calibration(target, draft, max_draft_tokens: int, max_branches: int,
