@@ -248,6 +248,35 @@ class Plan:
     probe: bool = False          # drafts only so that acceptance is measured (speculation is off)
 
 
+@dataclass
+class SequenceRound:
+    """One request's part of a round: its acceptance counts, the drafts verified and
+    accepted, and the speculation-cache lookup (None: it pre-speculated nothing)."""
+
+    acceptance: Acceptance
+    greedy: bool
+    verified: int
+    accepted: int
+    hit: bool | None = None
+
+
+@dataclass
+class RoundReport:
+    """What one round of the decoding loop measured, handed to its observers at once."""
+
+    requests: int
+    verified_tokens: int                  # tokens the target's verification fed
+    verify_s: float
+    alone: bool                           # verified on the wide session, nothing beside it
+    wait_s: float = 0.0                   # for the draft worker after the verification
+    draft_s: float = 0.0                  # ordinary drafting on the critical path
+    drafting: tuple[int, int] | None = None        # (requests, steps) of steady ordinary drafting
+    prespeculation: tuple[int, int, float] | None = None  # (branch rows, steps, seconds)
+    sequences: list[SequenceRound] = field(default_factory=list)
+    drafted: bool = False                 # some request's plan drafted this round
+    host_s: float = 0.0                   # what the round took beyond its forwards and waits
+
+
 class LoadPolicy:
     """One per decoder: the shared estimates and the choice of every round's K. `alone`:
     the decoder verifies a round without pre-speculation alone (`Decoder.alone`)."""
@@ -263,6 +292,19 @@ class LoadPolicy:
         self.host_cost, self.drafting_host_cost = LinearCost(), LinearCost()
         self.shared = {greedy: Acceptance(fading=SHARED_FADING) for greedy in (True, False)}
         self._engines = (target, draft)
+
+    def observe_round(self, report: RoundReport) -> None:
+        """Everything a round measured: forward costs, host work, acceptance, lookups."""
+        self.observe_verify(report.verified_tokens, report.verify_s, report.alone)
+        if report.drafting is not None:
+            self.observe_drafting(*report.drafting, report.draft_s)
+        if report.prespeculation is not None:
+            self.observe_prespeculation(*report.prespeculation)
+        for sequence in report.sequences:
+            self.record_round(sequence.acceptance, sequence.greedy, sequence.verified, sequence.accepted)
+            if sequence.hit is not None:
+                self.record_lookup(sequence.acceptance, sequence.greedy, sequence.hit)
+        self.observe_host(report.requests, report.host_s, report.drafted)
 
     def observe_verify(self, tokens: int, seconds: float, alone: bool = False) -> None:
         """`alone`: the target ran alone (no pre-speculation beside it): its own curve."""

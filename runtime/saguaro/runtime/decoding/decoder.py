@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 from typing import Sequence as Seq
 
-from saguaro.runtime.control.load_policy import Acceptance, LoadPolicy, Plan
+from saguaro.runtime.control.load_policy import Acceptance, LoadPolicy, Plan, RoundReport, SequenceRound
 from saguaro.runtime.core.contracts import Draft, SpeculationCache, VerifyResult, VerifyStep, draft_cache_capacity
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
@@ -224,6 +224,14 @@ class Sequence:
         return finish(self.out, self.stats, self.started, self.request.sampling.seed)
 
 
+def prespeculation_measured(batch: list[Sequence], speculations: list[SpeculationCache]):
+    """`(branch rows, steps, seconds)` of a round's pre-speculation, None without any."""
+    if not batch:
+        return None
+    rows = sum(len(speculation.drafts) for speculation in speculations)
+    return rows, max(s.round_draft_tokens for s in batch) + 1, speculations[0].seconds
+
+
 def finish(out: Output, stats: GenerationStats, started: float, seed: int | None) -> Generation:
     stats.tokens, stats.total_s = len(out.new), time.perf_counter() - started
     return Generation(out.ids[:len(out.ids) - len(out.new)], out.new, out.finish_reason or "cancelled", stats, seed)
@@ -261,18 +269,20 @@ class Decoder:
         return sequences
 
     def decode_round(self, batch: list[Sequence]) -> None:
-        """One round for every sequence of the batch (docs/design.md section 1), timed for the
-        load policy: what the forwards and waits leave over is the round's host work."""
+        """One round for every sequence of the batch (docs/design.md section 1), timed: what
+        the forwards and waits leave over is the round's host work. The load policy gets
+        the round's report."""
         with stopwatch() as whole:
-            verify_s, wait_s, draft_s = self._round(batch)
-        drafted = any(sequence.plan.draft_tokens for sequence in batch)
-        self.load_policy.observe_host(len(batch), whole.seconds - verify_s - wait_s - draft_s, drafted)
+            report = self._round(batch)
+        report.host_s = whole.seconds - report.verify_s - report.wait_s - report.draft_s
+        self.load_policy.observe_round(report)
 
-    def _round(self, batch: list[Sequence]) -> tuple[float, float, float]:
-        """The round itself; returns its verify, wait and critical drafting seconds."""
+    def _round(self, batch: list[Sequence]) -> RoundReport:
+        """The round itself: plan, draft what is missing, verify while the worker
+        pre-speculates, commit."""
         for sequence, plan in zip(batch, self.load_policy.choose(batch)):
             sequence.prepare(plan)
-        drafting_s = self.draft_misses(batch)
+        drafting_s, drafting = self.draft_misses(batch)
         speculating = [s for s in batch if s.speculates]
         steps = [s.verification() for s in batch]  # before the worker starts: it competes for the GIL
         tokens = sum(len(step.step.tokens) for step in steps)
@@ -286,19 +296,20 @@ class Decoder:
                                                                       for s in lagging])
         with stopwatch() as verifying, self.target.run_alone() if alone else nullcontext():
             outcomes = self.target.verify_batch(steps)
-        self.load_policy.observe_verify(tokens, verifying.seconds, alone)
         with stopwatch() as waiting:
             speculations = dict(zip(map(id, speculating), pending.result()))
             if catching:
                 catching.result()
+        report = RoundReport(len(batch), tokens, verifying.seconds, alone, waiting.seconds, drafting_s, drafting,
+                             prespeculation_measured(speculating, list(speculations.values())),
+                             drafted=any(sequence.plan.draft_tokens for sequence in batch))
         for sequence, outcome in zip(batch, outcomes):
             sequence.stats.verify_s += verifying.seconds
             sequence.stats.wait_s += waiting.seconds
-            self.load_policy.record_round(sequence.acceptance, sequence.greedy, sequence.verified, outcome.accepted)
+            verified = sequence.verified
             hit = sequence.commit(outcome, speculations.get(id(sequence)), verifying.seconds)
-            if hit is not None:
-                self.load_policy.record_lookup(sequence.acceptance, sequence.greedy, hit)
-        return verifying.seconds, waiting.seconds, drafting_s
+            report.sequences.append(SequenceRound(sequence.acceptance, sequence.greedy, verified, outcome.accepted, hit))
+        return report
 
     def prespeculate(self, batch: list[Sequence]) -> list[SpeculationCache]:
         """In the worker: every sequence's likely outcomes, all drafted in lockstep."""
@@ -310,17 +321,15 @@ class Decoder:
         for sequence, speculation in zip(batch, speculations):
             speculation.seconds = elapsed.seconds
             sequence.stats.prespeculate_s += elapsed.seconds
-        if batch:
-            self.load_policy.observe_prespeculation(sum(len(s.drafts) for s in speculations),
-                                               max(s.round_draft_tokens for s in batch) + 1, elapsed.seconds)
         return speculations
 
-    def draft_misses(self, batch: list[Sequence]) -> float:
+    def draft_misses(self, batch: list[Sequence]) -> tuple[float, tuple[int, int] | None]:
         """Ordinary drafts, in the worker, before the round's verification, for the
-        sequences that draft this round and have no draft (returns the time it took)."""
+        sequences that draft this round and have no draft. Returns the time it took and,
+        when it measures a step, `(requests, steps)` for the load policy."""
         needing = [s for s in batch if s.proposal is None]
         if not needing:
-            return 0.0
+            return 0.0, None
         # a draft that first feeds a prompt, or tokens it missed, is no measure of a step
         steady = all(s.drafter.lag(s.out.ids) <= s.plan.draft_tokens + 1 for s in needing)
         with stopwatch() as drafting:
@@ -329,6 +338,4 @@ class Decoder:
         for sequence, draft in zip(needing, drafts):
             sequence.proposal = draft
             sequence.stats.draft_s += drafting.seconds
-        if steady:
-            self.load_policy.observe_drafting(len(needing), max(len(draft) for draft in drafts), drafting.seconds)
-        return drafting.seconds
+        return drafting.seconds, (len(needing), max(len(draft) for draft in drafts)) if steady else None
