@@ -14,7 +14,7 @@ from saguaro.modelmaker.draft_training import Sequence
 from saguaro.modelmaker.train import TrainSettings
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
-from saguaro.runtime.models.checkpoint import load_tokenizer
+from saguaro.runtime.models.checkpoint import acceptance_by_depth, load_tokenizer
 from saguaro.runtime.models.llama import UNSCORED
 from saguaro.runtime.pipeline import Pipeline
 
@@ -86,6 +86,10 @@ def test_speculative_decoding_with_the_draft_is_exact(draft, tiny_pair, tmp_path
         (tmp_path / "pair" / "target").symlink_to(tiny_pair / "target")
         (tmp_path / "pair" / "draft").symlink_to(out)
         pipeline = Pipeline.load(engines=build_engines_cli(tmp_path / "pair", tmp_path / "engines"))
+    # the acceptance the report measured travels with the draft (the load policy starts from it)
+    histogram = json.loads((out / REPORT_FILE).read_text())["acceptance"]["accepted_histogram"]
+    assert pipeline.draft.info.acceptance == pytest.approx(acceptance_by_depth(histogram))
+    assert len(pipeline.draft.info.acceptance) >= 1
     for prompt in ("The with statement", "A class definition", "Exceptions are"):
         ids = pipeline.encode(prompt)
         expected = pipeline.generate(ids, DecodeOptions(mode="autoregressive", max_tokens=24), SamplingParams())

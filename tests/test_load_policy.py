@@ -411,3 +411,29 @@ def test_a_decoder_shortens_the_gil_switch_interval_so_the_target_is_not_kept_wa
         assert sys.getswitchinterval() <= GIL_SWITCH_SECONDS < 0.005
     finally:
         sys.setswitchinterval(previous)
+
+
+def test_a_fresh_policy_starts_from_the_acceptance_the_draft_was_measured_at():
+    """No round seen yet: a draft whose report measured poor acceptance drafts nothing from
+    the first round; one without a report starts from the optimistic default."""
+    costs = dict(verify=measured(0.004, 0.0008), step=measured(0.0006, 0.00002))
+
+    def fresh(acceptance: tuple[float, ...]) -> LoadPolicy:
+        draft = type("Draft", (), {"info": type("Info", (), {"acceptance": acceptance})()})()
+        policy = LoadPolicy(target=None, draft=draft)
+        policy.verify_cost, policy.draft_cost, policy.tree_cost = costs["verify"], costs["step"], costs["step"]
+        return policy
+
+    assert fresh(()).choose([FakeSequence()])[0].draft_tokens > 0
+    assert fresh((0.1, 0.1)).choose([FakeSequence()])[0].draft_tokens == 0
+    assert fresh((0.9, 0.9, 0.9, 0.9)).choose([FakeSequence()])[0].draft_tokens > 0
+
+
+def test_measured_acceptance_is_read_from_a_draft_report(tmp_path):
+    from saguaro.runtime.models.checkpoint import DRAFT_REPORT, acceptance_by_depth, measured_acceptance
+
+    # rounds accepting 0..4 drafts: 50% none, 25% one, 25% all four
+    assert acceptance_by_depth([0.5, 0.25, 0.0, 0.0, 0.25]) == pytest.approx((0.5, 0.5, 1.0, 1.0))
+    assert measured_acceptance(tmp_path) == ()  # no report
+    (tmp_path / DRAFT_REPORT).write_text('{"acceptance": {"accepted_histogram": [0.8, 0.2, 0.0]}}')
+    assert measured_acceptance(tmp_path) == pytest.approx((0.2, 0.0))

@@ -39,6 +39,7 @@ from saguaro.runtime.models.checkpoint import (
     llama_shape,
     load_checkpoint,
     load_tokenizer,
+    measured_acceptance,
     read_config,
     read_state_dict,
     tokenizer_fingerprint,
@@ -282,6 +283,8 @@ def model_entry(source: Source, graphs: dict[str, dict[str, str]], root: Path) -
              "bos_token_id": model.config.get("bos_token_id"), "eos_token_id": eos[0] if eos else None,
              "eos_token_ids": list(eos), "graphs": graphs,
              "signatures": {stem: graph_signature(root / files["onnx"]) for stem, files in graphs.items()}}
+    if source.role == "draft":
+        entry["acceptance"] = list(measured_acceptance(source.path))
     if source.is_feature_head:
         entry["kind"] = FEATURE_HEAD
     if source.feature_layers:

@@ -35,7 +35,13 @@ from saguaro.modelmaker.draft_prompts import Prompt, prompt_set
 from saguaro.modelmaker.draft_training import Sequence, agreement, distill, output_rows_of
 from saguaro.modelmaker.model_pair import pinned_torch
 from saguaro.modelmaker.train import TrainSettings
-from saguaro.runtime.models.checkpoint import OUTPUT_VOCAB_KEY, CheckpointError, end_of_generation_ids, load_checkpoint
+from saguaro.runtime.models.checkpoint import (
+    DRAFT_REPORT,
+    OUTPUT_VOCAB_KEY,
+    CheckpointError,
+    end_of_generation_ids,
+    load_checkpoint,
+)
 from saguaro.runtime.models.llama import Llama
 from saguaro.runtime.models.prompts import chat_messages, encode_chat, encode_text, has_chat_template
 
@@ -50,7 +56,7 @@ class Answered(Protocol):
     @property
     def continuation(self) -> list[int]: ...
 
-REPORT_FILE = "draft.json"
+REPORT_FILE = DRAFT_REPORT
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                 "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
 

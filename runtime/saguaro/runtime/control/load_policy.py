@@ -292,6 +292,7 @@ class LoadPolicy:
         self.host_cost, self.drafting_host_cost = LinearCost(), LinearCost()
         self.shared = {greedy: Acceptance(fading=SHARED_FADING) for greedy in (True, False)}
         self._engines = (target, draft)
+        self.measured_acceptance = draft.info.acceptance if draft is not None else ()
 
     def observe_round(self, report: RoundReport) -> None:
         """Everything a round measured: forward costs, host work, acceptance, lookups."""
@@ -394,13 +395,23 @@ class LoadPolicy:
 
     def _candidate(self, sequence) -> "_Candidate":
         shared = self.shared[sequence.greedy]
-        rates = sequence.acceptance.rates(sequence.k, shared.rates(sequence.k))
+        rates = sequence.acceptance.rates(sequence.k, shared.rates(sequence.k, self._measured_prior(sequence.k)))
         reach = [1.0]
         for rate in rates:
             reach.append(reach[-1] * rate)  # reach[i]: P(the first i drafts all accepted)
         most = most_drafts(sequence)
         hit = sequence.acceptance.hit_rate(shared.hit_rate(UNSEEN_HIT_RATE)) if sequence.prespeculating else 0.0
         return _Candidate(most, sequence.adapts, sequence.steered, reach, hit, sequence.prespeculating)
+
+    def _measured_prior(self, depths: int) -> list[float] | None:
+        """Where the shared estimate starts: the draft's acceptance by depth as measured when
+        it was made (`EngineInfo.acceptance`; deeper depths take the deepest measured), so
+        that a weak draft's first rounds do not draft as if it agreed 8 times in 10; None
+        (the optimistic `UNSEEN_ACCEPTANCE`) for a draft without a report."""
+        measured = self.measured_acceptance
+        if not measured:
+            return None
+        return [measured[min(depth, len(measured) - 1)] for depth in range(depths)]
 
     def _round_seconds(self, candidates, ks) -> float:
         """T(K). Without pre-speculation nothing of the draft's overlaps the verification,

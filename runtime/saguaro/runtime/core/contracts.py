@@ -79,6 +79,9 @@ class EngineInfo:
     # draft (`llama.Features`); empty: none. A draft's: whether it reads them (`Step.hidden`).
     feature_layers: tuple[int, ...] = ()
     reads_features: bool = False
+    # A draft's acceptance by depth measured on held-out prompts when it was made
+    # (`checkpoint.measured_acceptance`): where the load policy starts; empty: unknown
+    acceptance: tuple[float, ...] = ()
 
     @property
     def eos_token_id(self) -> int | None:

@@ -165,7 +165,7 @@ def engine_info(backend: str, engine_dir: Path, role: str, manifest: dict) -> En
                       bos_token_id=model["bos_token_id"], tokenizer_fingerprint=model["tokenizer_fingerprint"],
                       limits=limits, hidden_branches=hidden_branches_from_manifest(manifest),
                       feature_layers=tuple(model.get("feature_layers", ())),
-                      reads_features=is_feature_draft(model))
+                      reads_features=is_feature_draft(model), acceptance=tuple(model.get("acceptance", ())))
 
 
 def is_feature_draft(model: dict) -> bool:

@@ -10,7 +10,7 @@ import torch
 
 from saguaro.plugins.branch_draft.reference import plan_branches
 from saguaro.plugins.fused_verify.reference import fused_verify
-from saguaro.runtime.models.checkpoint import load_checkpoint, tokenizer_fingerprint
+from saguaro.runtime.models.checkpoint import load_checkpoint, measured_acceptance, tokenizer_fingerprint
 from saguaro.runtime.core.contracts import EngineInfo, EngineLimits, OneSequenceForms, Rows, Step, VerifyResult, VerifyStep
 from saguaro.runtime.engines.batching import pack_steps
 from saguaro.runtime.models.feature_head import is_feature_head, load_feature_head
@@ -92,8 +92,11 @@ class TorchEngine(OneSequenceForms):
 
 
 def torch_draft(draft_dir: str | Path, target: TorchEngine):
-    """The draft in `draft_dir` for `target`: a feature draft (an EAGLE-3 head) or a checkpoint."""
-    return TorchFeatureDraft(draft_dir, target) if is_feature_head(draft_dir) else TorchEngine(draft_dir)
+    """The draft in `draft_dir` for `target`: a feature draft (an EAGLE-3 head) or a
+    checkpoint, with the acceptance its folder's report measured."""
+    draft = TorchFeatureDraft(draft_dir, target) if is_feature_head(draft_dir) else TorchEngine(draft_dir)
+    draft.info = replace(draft.info, acceptance=measured_acceptance(draft_dir))
+    return draft
 
 
 class TorchFeatureDraft(OneSequenceForms):

@@ -29,6 +29,7 @@ ROPE_SCALING_KEYS: dict[str | None, tuple[str, ...]] = {"linear": ("factor",),
 # A config.json key of this project's drafts that score part of the vocabulary (see
 # `llama.LlamaShape.output_vocab`); transformers does not know it.
 OUTPUT_VOCAB_KEY = "saguaro_output_vocab"
+DRAFT_REPORT = "draft.json"  # what `make_models.py --draft-for` measured of the draft it made
 
 
 class CheckpointError(ValueError):
@@ -184,3 +185,26 @@ def check_pair_compatible(target_vocab: int, draft_vocab: int,
     if target_tokenizer != draft_tokenizer:
         raise CheckpointError(f"draft tokenizer (fingerprint {draft_tokenizer}) differs from the "
                               f"target's ({target_tokenizer}): they must share one tokenizer")
+
+
+def measured_acceptance(draft_dir: str | Path) -> tuple[float, ...]:
+    """P(the draft at depth j is accepted | the ones before were), j = 1..K, from the
+    held-out greedy rounds in a draft folder's report (`DRAFT_REPORT`); empty when the
+    folder has none (a draft made elsewhere)."""
+    try:
+        report = json.loads((Path(draft_dir) / DRAFT_REPORT).read_text())
+        histogram = [float(share) for share in report["acceptance"]["accepted_histogram"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ()
+    return acceptance_by_depth(histogram)
+
+
+def acceptance_by_depth(histogram: list[float]) -> tuple[float, ...]:
+    """Conditional acceptance per depth from the shares of rounds accepting 0..K drafts."""
+    rates = []
+    for depth in range(1, len(histogram)):
+        reached = sum(histogram[depth - 1:])
+        if reached <= 0:
+            break
+        rates.append(sum(histogram[depth:]) / reached)
+    return tuple(rates)
