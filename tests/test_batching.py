@@ -128,3 +128,19 @@ def test_greedy_int8_output_is_the_same_alone_in_a_batch_of_16_and_autoregressiv
         assert [generation.output_ids for generation in batch] == expected
     finally:
         pipeline.close()
+
+
+def test_a_failing_round_observer_does_not_stop_the_decoding_thread(tiny_pair, caplog):
+    """An observer (metrics, a test hook) that raises is logged; the scheduler thread runs on
+    and every request completes with its output."""
+    with Pipeline.load(tiny_pair / "target", tiny_pair / "draft") as loaded:
+        made = requests(loaded, 3)
+        expected = [alone(loaded, request) for request in made]
+
+        def broken(batch):
+            raise RuntimeError("observer broke")
+
+        loaded.observe_rounds(broken)
+        got = [future.result(timeout=120).output_ids for future in [loaded.submit(r) for r in requests(loaded, 3)]]
+        assert got == expected
+        assert "the round observer failed" in caplog.text

@@ -20,12 +20,15 @@ sample.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from concurrent.futures import Future
 from typing import Callable
 
 from saguaro.runtime.decoding.decoder import Decoder, Request, Sequence
+
+LOG = logging.getLogger(__name__)
 
 OnRound = Callable[[list[Sequence]], None]  # told of each round's batch, after it ran
 
@@ -131,4 +134,7 @@ class Scheduler:
             active.clear()
             return
         if self.on_round is not None:
-            self.on_round(batch)
+            try:
+                self.on_round(batch)
+            except Exception:  # noqa: BLE001 - an observer that fails must not stop the decoding thread
+                LOG.exception("the round observer failed; decoding goes on")
