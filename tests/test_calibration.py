@@ -10,7 +10,7 @@ from checkpoints import build_small_engines
 from saguaro.runtime.core.contracts import causal_mask
 from saguaro.runtime.core.options import DEFAULT_FANOUT, DecodeOptions, hidden_branch_options
 from saguaro.runtime.engines import load_engine_pair
-from saguaro.runtime.engines.calibration import BranchCalibration
+from saguaro.runtime.control.calibration import BranchCalibration
 from saguaro.runtime.engines.manifest import MANIFEST_FILE
 
 

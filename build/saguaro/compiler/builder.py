@@ -30,7 +30,7 @@ from saguaro.compiler.config import BuildConfig, ConfigError, config_to_dict
 from saguaro.compiler.tensorrt_builder import EXPORT_DTYPES, DimRange, TensorRTBuildOptions, build_engine, manifest_entry
 from saguaro.plugins.tensorrt_registry import import_tensorrt
 from saguaro.runtime.engines import load_engine_pair
-from saguaro.runtime.engines.calibration import measure_calibration
+from saguaro.runtime.control.calibration import measure_calibration
 from saguaro.runtime.engines.manifest import FEATURE_HEAD, MANIFEST_FILE, sha256_file, write_manifest
 from saguaro.runtime.models.checkpoint import (
     CheckpointError,

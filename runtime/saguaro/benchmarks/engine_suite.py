@@ -26,7 +26,7 @@ import torch
 
 from saguaro.runtime.control.costs import forward_cost
 from saguaro.runtime.engines import load_engine_pair
-from saguaro.runtime.engines.calibration import BranchCalibration, machine_name
+from saguaro.runtime.control.calibration import BranchCalibration, machine_name
 from saguaro.runtime.engines.manifest import read_manifest, validate_engine_dir
 
 PREFILL_TOKENS = 128

@@ -23,7 +23,7 @@ from typing import cast
 
 from saguaro.runtime.arguments import DECODE_DEFAULTS, add_decoding_arguments
 from saguaro.runtime.core.options import DecodeOptions, check_engine_limits, hidden_branch_options
-from saguaro.runtime.engines.calibration import hidden_branches_from_manifest
+from saguaro.runtime.control.calibration import hidden_branches_from_manifest
 from saguaro.runtime.engines.manifest import read_manifest
 from saguaro.runtime.engines.torch_engine import DEFAULT_MAX_CONTEXT as TORCH_MAX_CONTEXT
 from saguaro.runtime.models.checkpoint import llama_shape, read_config

@@ -31,7 +31,7 @@ import saguaro.plugins.branch_draft as branch_draft
 import saguaro.plugins.fused_verify as fused_verify
 from saguaro.runtime.models.checkpoint import CheckpointError, check_pair_compatible
 from saguaro.runtime.core.contracts import EngineInfo, EngineLimits
-from saguaro.runtime.engines.calibration import hidden_branches_from_manifest
+from saguaro.runtime.control.calibration import hidden_branches_from_manifest
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = "saguaro-engines"
