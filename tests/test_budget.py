@@ -1,7 +1,8 @@
-"""Branch budgets: where B branches go, and how an "auto" budget picks B."""
+"""Branch budgets: where B branches go; an "auto" budget is sized by the load policy."""
 import torch
 
-from saguaro.runtime.control.budget import AdaptiveBudget, OnlineBudget, StaticFanout, bonus_rank
+from saguaro.runtime.control.budget import OnlineBudget, StaticFanout, bonus_rank
+from saguaro.runtime.core.options import AUTO_BUDGET_CAP, DecodeOptions
 
 
 def test_static_fanout_broadcasts_one_value_to_every_depth():
@@ -19,20 +20,16 @@ def test_online_budget_moves_branches_to_the_outcomes_seen():
     assert int(fanout.sum()) == 6 and fanout[3] >= 2 and fanout[3] == fanout.max()
 
 
-def test_adaptive_budget_shrinks_when_prespeculation_shows_and_grows_when_hidden():
-    budget = AdaptiveBudget(cap=8, num_draft_tokens=2)
-    assert budget.budget == 8 and budget.max_branches == 8
-    for _ in range(20):
-        budget.observe_timing(verify_s=1.0, prespeculate_s=1.5)
-    assert budget.budget == 1 and int(budget.fanout().sum()) == 1
-    budget.observe_timing(verify_s=1.0, prespeculate_s=0.9)  # hidden, but with little slack
-    assert budget.budget == 1
-    for _ in range(3):
-        budget.observe_timing(verify_s=1.0, prespeculate_s=0.5)
-    assert budget.budget == 4 and int(budget.fanout().sum()) == 4
-    for _ in range(20):
-        budget.observe_timing(verify_s=1.0, prespeculate_s=0.1)
-    assert budget.budget == 8  # never past its cap
+def test_an_auto_budget_places_up_to_the_engines_limit_and_the_round_cap_sizes_it():
+    """"auto" is an online budget as wide as the engines allow; how many of its branches a
+    round pre-speculates is the load policy's cap (a request with it is steered)."""
+    options = DecodeOptions(budget="auto", num_draft_tokens=3)
+    budget = options.fanout_policy(max_branches=8)
+    assert isinstance(budget, OnlineBudget) and budget.max_branches == 8 and options.steered
+    assert int(budget.fanout().sum()) == 8
+    assert int(budget.fanout(cap=3).sum()) == 3 and int(budget.fanout(depths=2, cap=3).sum()) == 3
+    assert options.fanout_policy().max_branches == AUTO_BUDGET_CAP
+    assert not DecodeOptions(budget=8).steered and DecodeOptions(adapt_k=True).steered
 
 
 def test_bonus_rank_counts_better_candidates_leaving_out_the_draft_token():

@@ -2,41 +2,64 @@
 the engine info, turned into decoding options; old manifests without it still load."""
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 from checkpoints import build_small_engines
 
+from saguaro.runtime.control.calibration import Calibration, machine_name
+from saguaro.runtime.control.costs import CostCurve, hidden_branches
 from saguaro.runtime.core.contracts import causal_mask
 from saguaro.runtime.core.options import DEFAULT_FANOUT, DecodeOptions, hidden_branch_options
 from saguaro.runtime.engines import load_engine_pair
-from saguaro.runtime.control.calibration import BranchCalibration
 from saguaro.runtime.engines.manifest import MANIFEST_FILE
 
 
 def calibration(verify_ms, tree_step_ms, glue_ms=1.0):
-    return BranchCalibration(context=64, verify_ms=verify_ms, glue_ms=glue_ms, tree_step_ms=tree_step_ms)
+    """Figures in ms, as a calibration: the verify by K (K + 1 tokens), the draft by rows."""
+    draft = {b: ms / 1000 for b, ms in tree_step_ms.items()}
+    draft[1] = min(draft.get(1, glue_ms / 1000), glue_ms / 1000)
+    return Calibration(context=64, verify={k + 1: ms / 1000 for k, ms in verify_ms.items()}, draft=draft)
 
 
 def test_hidden_budget_is_the_largest_b_whose_prespeculation_fits_under_the_verify():
     # K=2: glue 1 + 2 * tree(B) against verify 10 -> tree(B) <= 4.5 fits
-    record = calibration({1: 4.0, 2: 10.0}, {1: 2.0, 2: 3.0, 3: 4.5, 4: 4.6})
-    assert record.hidden_branches(2) == 3
-    assert record.hidden_branches(1) == 2          # K=1: 1 + 3.0 <= 4.0 < 1 + 4.5
-    assert record.hidden_by_k() == (0, 2, 3)
+    record = calibration({1: 4.0, 2: 10.0}, {2: 3.0, 3: 4.5, 4: 4.6})
+    assert record.hidden_branches(2, most=4) == 3
+    assert record.hidden_branches(1, most=4) == 2          # K=1: 1 + 3.0 <= 4.0 < 1 + 4.5
+    assert record.hidden_by_k(2, most=4) == (0, 2, 3)
+    assert calibration({1: 100.0}, {2: 3.0, 3: 4.5, 4: 4.6}).hidden_branches(1, most=4) == 4  # at most `most`
 
 
 def test_a_budget_that_does_not_fit_stops_the_count_even_if_a_larger_one_timed_faster():
     record = calibration({1: 5.0}, {1: 1.0, 2: 9.0, 3: 1.0})
-    assert record.hidden_branches(1) == 1
+    assert record.hidden_branches(1, most=3) == 1
     assert calibration({1: 1.0}, {1: 1.0}).hidden_branches(1) == 0  # not even one branch hides
 
 
+def test_the_policy_and_the_build_apply_one_rule():
+    """The load policy's branch cap at batch 1 and the build's hidden budget come from the
+    same function on the same curves (the policy's tree curve folds the glue into a step)."""
+    step = CostCurve({1: 0.001, 4: 0.0012, 16: 0.003})
+    assert hidden_branches(0.010, step, steps=5) == max(b for b in range(1, 64) if 5 * step(b) <= 0.010)
+    assert hidden_branches(0.010, step, steps=5, requests=2) == max(b for b in range(1, 64) if 5 * step(2 * b) <= 0.010)
+    assert hidden_branches(0.0001, step, steps=1) == 0
+
+
 def test_calibration_round_trips_through_the_manifest_form():
-    record = calibration({1: 4.0, 2: 10.0}, {1: 2.0, 2: 3.0})
-    stored = json.loads(json.dumps(record.to_manifest()))
-    assert BranchCalibration.from_manifest(stored) == record
-    assert stored["hidden_branches"] == [0, 2, 2]
+    record = replace(calibration({1: 4.0, 2: 10.0}, {1: 2.0, 2: 3.0}), alone={2: 0.003}, machine="m")
+    stored = json.loads(json.dumps(record.to_manifest(max_k=2, most=2)))
+    assert Calibration.from_manifest(stored) == record
+    assert stored["hidden_branches"] == [0, 2, 2]  # K=1: 1 + 3.0 <= 4.0; K=2: 1 + 2 x 3.0 <= 10
+
+
+def test_a_calibration_stored_by_older_builds_reads_as_the_points_it_measured():
+    old = {"context": 64, "verify_ms": {"1": 4.0, "2": 10.0}, "glue_ms": 1.0, "tree_step_ms": {"1": 2.0, "2": 3.0},
+           "machine": "m", "date": "2026-11-01", "hidden_branches": [0, 2, 2]}
+    read = Calibration.from_manifest(old)
+    assert read.verify == {2: 0.004, 3: 0.010} and read.draft == {1: 0.001, 2: 0.003}
+    assert not read.measured_here  # no alone curve: a policy measures its own
 
 
 @pytest.mark.parametrize("hidden, k, expected", [
@@ -68,13 +91,15 @@ def built(tiny_pair, tmp_path_factory):
 
 def test_the_build_stores_a_calibration_and_the_engine_info_carries_it(built):
     record = json.loads((built / MANIFEST_FILE).read_text())["calibration"]
-    assert set(map(int, record["verify_ms"])) == {1, 2, 3} and set(map(int, record["tree_step_ms"])) == {1, 2, 3, 4}
-    assert all(ms > 0 for ms in [*record["verify_ms"].values(), *record["tree_step_ms"].values(), record["glue_ms"]])
-    assert record["hidden_branches"] == list(BranchCalibration.from_manifest(record).hidden_by_k())
+    calibration = Calibration.from_manifest(record)
+    for curve in (calibration.verify, calibration.alone, calibration.draft):
+        assert {1, 2, 4, 8} <= set(curve) and all(seconds > 0 for seconds in curve.values())
+    assert calibration.measured_here and calibration.machine == machine_name()
+    assert record["hidden_branches"] == list(calibration.hidden_by_k(3, most=4))
     target, draft = load_engine_pair(built)
     for engine in (target, draft):
-        assert engine.info.hidden_branches == tuple(record["hidden_branches"])
-        assert engine.info.hidden_budget(3) == record["hidden_branches"][3]
+        assert engine.info.calibration == calibration
+        assert engine.info.hidden_budget(3) == record["hidden_branches"][3] <= 4
         assert engine.info.hidden_budget(4) is None  # beyond the engines' K
 
 
@@ -84,4 +109,4 @@ def test_engines_built_before_calibration_existed_still_load(built, tmp_path):
     del manifest["calibration"]
     (old / MANIFEST_FILE).write_text(json.dumps(manifest))
     target, _ = load_engine_pair(old)
-    assert target.info.hidden_branches is None and target.info.hidden_budget(2) is None
+    assert target.info.calibration is None and target.info.hidden_budget(2) is None

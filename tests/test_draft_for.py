@@ -8,13 +8,13 @@ import torch
 from checkpoints import build_engines_cli
 from transformers import AutoModelForCausalLM
 
-from saguaro.modelmaker.draft_for import PRESETS, REPORT_FILE, kept_layers, make_draft_for, output_vocabulary, target_generations
+from saguaro.modelmaker.draft_for import PRESETS, kept_layers, make_draft_for, output_vocabulary, target_generations
 from saguaro.modelmaker.draft_prompts import prompt_set
 from saguaro.modelmaker.draft_training import Sequence
 from saguaro.modelmaker.train import TrainSettings
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
-from saguaro.runtime.models.checkpoint import acceptance_by_depth, load_tokenizer
+from saguaro.runtime.models.checkpoint import DRAFT_REPORT, acceptance_by_depth, load_tokenizer
 from saguaro.runtime.models.llama import UNSCORED
 from saguaro.runtime.pipeline import Pipeline
 
@@ -54,7 +54,7 @@ def test_target_generations_record_the_targets_top_tokens(tiny_pair):
 
 def test_draft_report_and_files(draft, tiny_pair):
     out, report = draft
-    assert json.loads((out / REPORT_FILE).read_text()) == json.loads(json.dumps(report))
+    assert json.loads((out / DRAFT_REPORT).read_text()) == json.loads(json.dumps(report))
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 1 and config["saguaro_output_vocab"] == 160
     assert (out / "tokenizer.json").read_text() == (tiny_pair / "target" / "tokenizer.json").read_text()
@@ -87,7 +87,7 @@ def test_speculative_decoding_with_the_draft_is_exact(draft, tiny_pair, tmp_path
         (tmp_path / "pair" / "draft").symlink_to(out)
         pipeline = Pipeline.load(engines=build_engines_cli(tmp_path / "pair", tmp_path / "engines"))
     # the acceptance the report measured travels with the draft (the load policy starts from it)
-    histogram = json.loads((out / REPORT_FILE).read_text())["acceptance"]["accepted_histogram"]
+    histogram = json.loads((out / DRAFT_REPORT).read_text())["acceptance"]["accepted_histogram"]
     assert pipeline.draft.info.acceptance == pytest.approx(acceptance_by_depth(histogram))
     assert len(pipeline.draft.info.acceptance) >= 1
     for prompt in ("The with statement", "A class definition", "Exceptions are"):

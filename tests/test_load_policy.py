@@ -2,13 +2,14 @@
 set by hand here (as if measured), so each test knows which K pays; then the policy on
 real engines with drafts that never agree, or agree once they did not, and the target's
 wide session (`run_alone`)."""
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
 
 from saguaro.runtime.cli import policy_summary
-from saguaro.runtime.control.load_policy import PROBE_DRAFTS, PROBE_PERIOD, Acceptance, CostCurve, LinearCost, LoadPolicy, Plan
+from saguaro.runtime.control.costs import CostCurve, LinearCost
+from saguaro.runtime.control.load_policy import PROBE_DRAFTS, PROBE_PERIOD, Acceptance, LoadPolicy, Plan
 from saguaro.runtime.core.contracts import Rows, Step
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
@@ -128,6 +129,35 @@ def test_branches_fit_under_the_verification():
     verified = verify(sum(p.draft_tokens + 1 for p in plans))
     assert (k + 1) * step(2 * branches) <= verified + 1e-9
     assert (k + 1) * step(2 * (branches + 1)) > verified  # the most that fits
+
+
+def test_a_pinned_k_with_an_auto_budget_keeps_its_k_and_gets_the_branches_that_fit():
+    verify, step = measured(0.006, 0.0), measured(0.0005, 0.00005)
+    policy = policy_with(verify, step, acceptance=0.8)
+    auto = FakeSequence(k=3, adapts=False, steered=True, prespeculating=True)
+    fixed = FakeSequence(k=3, adapts=False, steered=False, prespeculating=True)
+    plans = policy.choose([auto, fixed])
+    assert [plan.draft_tokens for plan in plans] == [3, 3]
+    assert plans[0].branches is not None and plans[0].branches >= 1
+    assert plans[1].branches is None  # its own fan-out, as it asked
+
+
+def test_the_policy_starts_from_a_calibration_taken_on_this_machine_without_measuring(tiny_pair, monkeypatch):
+    import saguaro.runtime.control.load_policy as load_policy
+    from saguaro.runtime.control.calibration import Calibration, machine_name
+
+    target, draft = TorchEngine(tiny_pair / "target"), TorchEngine(tiny_pair / "draft")
+    here = Calibration(32, {1: 0.001, 5: 0.0012}, {1: 0.0002, 8: 0.0004}, {1: 0.0008, 5: 0.001}, machine_name())
+    measured_now = []
+    monkeypatch.setattr(load_policy, "measure_calibration", lambda *a, **k: measured_now.append(1) or here)
+    target.info = replace(target.info, calibration=here)
+    policy = LoadPolicy(target, draft)
+    policy.calibrate()
+    assert not measured_now and policy.verify_cost.points == here.verify and policy.alone_cost.points == here.alone
+    assert policy.draft_cost.points == here.draft == policy.tree_cost.points
+    target.info = replace(target.info, calibration=replace(here, machine="another machine"))
+    LoadPolicy(target, draft).calibrate()
+    assert measured_now == [1]  # taken elsewhere: measured here, the same way
 
 
 def test_adaptive_greedy_output_is_the_target_alone(tiny_pair):

@@ -81,7 +81,7 @@ def test_an_all_zero_fanout_means_no_prespeculation(tiny_engines):
         assert ssd.output_ids == sd.output_ids and ssd.stats.cache_hits == ssd.stats.cache_misses == 0
 
 
-@pytest.mark.parametrize("branching", [dict(fanout=(2,)), dict(budget="auto"), dict(fanout=(3,), saguaro_factor=0.5)])
+@pytest.mark.parametrize("branching", [dict(fanout=(2,)), dict(budget=6), dict(fanout=(3,), saguaro_factor=0.5)])
 def test_ssd_samples_exactly_what_speculative_decoding_samples(tiny_pair, branching):
     """Randomness is keyed by position, so a hit branch holds the very draft a miss would
     have drafted: pre-speculation changes the speed, never the sampled text."""

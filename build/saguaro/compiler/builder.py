@@ -4,7 +4,8 @@
     -> export both models (with a feature head for a draft, the target returns features)
     -> quantise -> assemble the plugin graphs -> backend build
     -> tokenizer files -> manifest.json (last: its presence means the build completed)
-    -> ONNX Runtime: the branch calibration, timed on the built engines, added to the manifest
+    -> ONNX Runtime: the calibration (forward costs by size), timed on the built engines,
+       added to the manifest
 
 The directory is built beside its destination and moved into place at the end, so an
 interrupted build never leaves a half-written engine directory behind.
@@ -29,8 +30,8 @@ from saguaro.compiler import export, onnxruntime_builder
 from saguaro.compiler.config import BuildConfig, ConfigError, config_to_dict
 from saguaro.compiler.tensorrt_builder import EXPORT_DTYPES, DimRange, TensorRTBuildOptions, build_engine, manifest_entry
 from saguaro.plugins.tensorrt_registry import import_tensorrt
-from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.control.calibration import measure_calibration
+from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.manifest import FEATURE_HEAD, MANIFEST_FILE, sha256_file, write_manifest
 from saguaro.runtime.models.checkpoint import (
     CheckpointError,
@@ -324,9 +325,9 @@ def build_role(config: BuildConfig, source: Source, staging: Path, record: Build
 
 def calibrate(config: BuildConfig, engine_dir: Path) -> dict:
     """The manifest's `calibration` entry: the built pair loaded as the runtime loads it
-    (validated, with the build's session settings) and timed (`engines.calibration`)."""
+    (validated, with the build's session settings) and timed (`control.calibration`)."""
     target, draft = load_engine_pair(engine_dir)
-    return measure_calibration(target, draft, config.max_draft_tokens, config.max_branches).to_manifest()
+    return measure_calibration(target, draft).to_manifest(config.max_draft_tokens, config.max_branches)
 
 
 def build_engines(config: BuildConfig, out: Path, show_progress: bool = True) -> BuildRecord:

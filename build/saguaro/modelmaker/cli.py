@@ -22,7 +22,7 @@ from pathlib import Path
 from saguaro.modelmaker import draft_for, feature_draft
 from saguaro.modelmaker.acceptance import format_acceptance
 from saguaro.modelmaker.model_pair import PRESETS, make_pair
-from saguaro.runtime.models.checkpoint import CheckpointError
+from saguaro.runtime.models.checkpoint import DRAFT_REPORT, CheckpointError
 
 KIND_FEATURE = feature_draft.KIND
 
@@ -126,7 +126,7 @@ def draft_settings(args: argparse.Namespace):
 
 def existing_draft(out_dir: Path, settings, kind: str = "pruned", feature_layers=None) -> dict | None:
     try:
-        report = json.loads((out_dir / draft_for.REPORT_FILE).read_text())
+        report = json.loads((out_dir / DRAFT_REPORT).read_text())
     except (OSError, json.JSONDecodeError):
         return None
     layers_differ = feature_layers and report.get("feature_layers") != list(feature_layers)

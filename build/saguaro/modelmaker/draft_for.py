@@ -56,7 +56,6 @@ class Answered(Protocol):
     @property
     def continuation(self) -> list[int]: ...
 
-REPORT_FILE = DRAFT_REPORT
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                 "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
 
@@ -182,13 +181,13 @@ def save_draft(draft: Llama, target_dir: Path, out: Path, report: dict) -> None:
     for name in COPIED_FILES:
         if (target_dir / name).is_file():
             shutil.copy2(target_dir / name, staging / name)
-    (staging / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    (staging / DRAFT_REPORT).write_text(json.dumps(report, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     staging.rename(out)
 
 
 def check_output(out: Path) -> None:
-    if out.exists() and not (out.is_dir() and ((out / REPORT_FILE).is_file() or not any(out.iterdir()))):
+    if out.exists() and not (out.is_dir() and ((out / DRAFT_REPORT).is_file() or not any(out.iterdir()))):
         raise CheckpointError(f"output {str(out)!r} exists and is not a draft made here; choose another --out")
 
 

@@ -40,7 +40,6 @@ import torch.nn.functional as F
 
 from saguaro.modelmaker.draft_for import (
     COPIED_FILES,
-    REPORT_FILE,
     check_output,
     coverage,
     decode_cost,
@@ -51,7 +50,7 @@ from saguaro.modelmaker.draft_prompts import prompt_set
 from saguaro.modelmaker.draft_training import output_rows_of, soft_cross_entropy
 from saguaro.modelmaker.model_pair import pinned_torch
 from saguaro.modelmaker.train import TrainSettings, fit
-from saguaro.runtime.models.checkpoint import load_checkpoint
+from saguaro.runtime.models.checkpoint import DRAFT_REPORT, load_checkpoint
 from saguaro.runtime.models.feature_head import FeatureHead, FeatureHeadShape, default_feature_layers, save_feature_head
 from saguaro.runtime.models.llama import Features, Llama, rope_cos_sin
 
@@ -486,7 +485,7 @@ def save_draft_folder(head: FeatureHead, target_dir: Path, out: Path, report: di
     for name in COPIED_FILES:
         if (target_dir / name).is_file():
             shutil.copy2(target_dir / name, staging / name)
-    (staging / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    (staging / DRAFT_REPORT).write_text(json.dumps(report, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     staging.rename(out)
 

@@ -8,7 +8,8 @@ when a step is bound by reading the weights), and the bandwidth limit: the bytes
 weights a decode step reads divided by a measured single-thread read bandwidth, so that
 "decode at X% of the bandwidth limit" says how much faster a step could possibly get.
 The largest branch budget that hides under one verify is computed from the same figures
-by `BranchCalibration` (the build stores its own, finer measurement in the manifest).
+by the calibration's rule (`control.calibration`; the build stores its own measurement
+in the manifest).
 Memory: resident memory (VmRSS, split into private and file-mapped pages) before and
 after loading the pair and after running it, next to the weights on disk.
 """
@@ -24,9 +25,9 @@ import numpy as np
 import onnx
 import torch
 
+from saguaro.runtime.control.calibration import Calibration, machine_name
 from saguaro.runtime.control.costs import forward_cost
 from saguaro.runtime.engines import load_engine_pair
-from saguaro.runtime.control.calibration import BranchCalibration, machine_name
 from saguaro.runtime.engines.manifest import read_manifest, validate_engine_dir
 
 PREFILL_TOKENS = 128
@@ -193,8 +194,16 @@ def with_files(costs: EngineCosts, engine_dir: Path, manifest: dict) -> EngineCo
 def hidden_by_context(target: list[ContextCosts], draft: list[ContextCosts], k: int) -> dict[int, int]:
     """The largest measured B whose pre-speculation hides under the target's verify, at each
     context (the rule of the build's calibration, on these figures)."""
-    return {t.context: BranchCalibration(t.context, {k: t.verify_ms}, d.decode_ms, d.tree_step_ms).hidden_branches(k)
+    return {t.context: measured_calibration(t, d, k).hidden_branches(k, most=max(d.tree_step_ms))
             for t, d in zip(target, draft)}
+
+
+def measured_calibration(target: ContextCosts, draft: ContextCosts, k: int) -> Calibration:
+    """These figures as a calibration: the verify of K + 1 tokens, the draft's step of one
+    token and its tree steps of B."""
+    draft_s = {b: ms / 1000 for b, ms in draft.tree_step_ms.items()}
+    draft_s[1] = min(draft_s.get(1, draft.decode_ms / 1000), draft.decode_ms / 1000)
+    return Calibration(target.context, {k + 1: target.verify_ms / 1000}, draft_s)
 
 
 def fitting_contexts(max_context: int, wanted: tuple[int, ...], longest_step: int) -> tuple[int, ...]:

@@ -30,6 +30,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from saguaro.benchmarks.cpu_profile import server_processes, snapshot, spent
+from saguaro.benchmarks.figures import pyplot, save
 from saguaro.runtime.arguments import DECODE_DEFAULTS
 from saguaro.runtime.models.prompts import PROMPTS
 from saguaro.serving.client import complete, ensemble_inputs, tensor
@@ -244,12 +245,8 @@ def print_targets(levels: list[Level], sampled: list[Level]) -> None:
 
 
 def plot(levels: list[Level], path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no plot: matplotlib is not installed; pip install -e '.[bench]')")
+    plt = pyplot()
+    if plt is None:
         return
     fig, (throughput, latency) = plt.subplots(1, 2, figsize=(11, 4))
     for mode in dict.fromkeys(level.mode for level in levels):
@@ -263,9 +260,7 @@ def plot(levels: list[Level], path: Path) -> None:
         axis.set_ylabel(name)
         axis.grid(alpha=0.3)
     throughput.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    save(fig, path)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

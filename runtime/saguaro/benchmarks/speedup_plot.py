@@ -21,6 +21,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from saguaro.benchmarks.figures import pyplot, save
+
 AUTOREGRESSIVE = "autoregressive"
 
 
@@ -68,10 +70,9 @@ def predicted_speedup(alpha: float, costs: Costs, every_draft_hidden: bool) -> f
 
 
 def plot(runs: dict[str, dict], out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     alphas = [i / 50 for i in range(51)]
     fig, axis = plt.subplots(figsize=(8, 5))
     for index, (pair, figures) in enumerate(runs.items()):
@@ -88,9 +89,7 @@ def plot(runs: dict[str, dict], out: Path) -> None:
     axis.set_ylabel("decode speed / autoregressive")
     axis.grid(alpha=0.3)
     axis.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    print(f"plot: {out}")
+    save(fig, out)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

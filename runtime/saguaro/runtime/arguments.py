@@ -44,8 +44,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, defaults: DecodeOpti
                            help="branches per depth: one value or K+1 values "
                                 f"(default {','.join(map(str, DECODE_DEFAULTS.fanout))})")
     branching.add_argument("--budget", type=flag_type(parse_budget), default=default("budget"),
-                           help="B branches placed online where hits are likeliest; 'auto' also "
-                                "chooses B so pre-speculation stays hidden under verification")
+                           help="B branches placed online where hits are likeliest; 'auto': the load policy "
+                                "sizes B each round, so pre-speculation stays hidden under verification")
     if per_request_flags:
         parser.add_argument("--saguaro", type=float, metavar="C", help="Saguaro sampling factor in (0, 1]")
         parser.add_argument("--saguaro-top", type=int, metavar="N", default=None,

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import cast
 
 from saguaro.runtime.arguments import DECODE_DEFAULTS, add_decoding_arguments
+from saguaro.runtime.control.calibration import calibration_from_manifest
 from saguaro.runtime.core.options import DecodeOptions, check_engine_limits, hidden_branch_options
-from saguaro.runtime.control.calibration import hidden_branches_from_manifest
 from saguaro.runtime.engines.manifest import read_manifest
 from saguaro.runtime.engines.torch_engine import DEFAULT_MAX_CONTEXT as TORCH_MAX_CONTEXT
 from saguaro.runtime.models.checkpoint import llama_shape, read_config
@@ -70,7 +70,13 @@ def source_from_engines(engines_dir: Path) -> ModelSource:
     return ModelSource(tokenizer_dir=engines_dir / manifest["tokenizer"]["dir"],
                        max_context=build["max_context"], engines_dir=engines_dir,
                        max_draft_tokens=build.get("max_draft_tokens"), max_branches=build.get("max_branches"),
-                       hidden_branches=hidden_branches_from_manifest(manifest))
+                       hidden_branches=hidden_by_k(manifest))
+
+
+def hidden_by_k(manifest: dict) -> tuple[int, ...] | None:
+    """What pre-speculation hides at each K the engines take (the calibration's rule)."""
+    calibration, build = calibration_from_manifest(manifest), manifest["build"]
+    return None if calibration is None else calibration.hidden_by_k(build["max_draft_tokens"], build["max_branches"])
 
 
 def source_from_checkpoints(target_dir: Path, draft_dir: Path) -> ModelSource:

@@ -4,12 +4,11 @@
 branches where hits are likeliest: it estimates online `P(A = j)` (accepted length) and
 `P(bonus has rank r | A = j)` (rank among the draft's candidates at depth j) and gives
 each next branch to the depth whose next rank adds the most hit probability.
-`AdaptiveBudget` also chooses B itself, from measured time, so that pre-speculation
-stays hidden under verification.
 
-Each round may verify fewer drafts than the request's K (the load policy's choice) and
-may cap the branches (what hides under this round's verification): `fanout(depths, cap)`
-places branches for accepted lengths 0..depths-1, at most `cap` of them.
+These place branches; how many a round may pre-speculate is not theirs to decide. Each
+round may verify fewer drafts than the request's K and may cap the branches, both the
+load policy's choice (what hides under this round's verification, `control.costs`):
+`fanout(depths, cap)` places branches for accepted lengths 0..depths-1, at most `cap`.
 """
 from __future__ import annotations
 
@@ -34,9 +33,6 @@ class StaticFanout:
         return within_cap(self._fanout[:depths], cap)
 
     def observe(self, accepted: int, bonus_rank: int) -> None:
-        pass
-
-    def observe_timing(self, verify_s: float, prespeculate_s: float) -> None:
         pass
 
 
@@ -75,24 +71,6 @@ class OnlineBudget:
     def observe(self, accepted: int, bonus_rank: int) -> None:
         self.accepted_counts[accepted] += 1
         self.rank_counts[accepted, min(bonus_rank, self.ranks)] += 1
-
-    def observe_timing(self, verify_s: float, prespeculate_s: float) -> None:
-        pass
-
-
-class AdaptiveBudget(OnlineBudget):
-    """B follows the measured costs, between 1 and `cap`: one branch fewer after a round
-    whose pre-speculation outlasted its verification, one more after a round that left a
-    quarter of the verification idle. Branch keys are placed as in `OnlineBudget`."""
-
-    def __init__(self, cap: int, num_draft_tokens: int):
-        super().__init__(cap, num_draft_tokens)
-
-    def observe_timing(self, verify_s: float, prespeculate_s: float) -> None:
-        if prespeculate_s > verify_s and self.budget > 1:
-            self.budget -= 1
-        elif prespeculate_s < 0.75 * verify_s and self.budget < self.ranks:
-            self.budget += 1
 
 
 def within_cap(fanout: torch.Tensor, cap: int | None) -> torch.Tensor:

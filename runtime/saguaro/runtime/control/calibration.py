@@ -1,87 +1,93 @@
-"""The largest branch budget whose pre-speculation hides under one verification, measured
-where the engines are built and stored in their manifest.
+"""The calibration: what the forwards a round is made of cost on this machine, by size.
+
+One measurement feeds the one cost model (`control.costs`). The build takes it on the
+engines it built and stores it in their manifest (`calibration`), with the branch budget
+that hides under a verification at each K at batch 1 (the default fan-out of a request
+that names none); the load policy starts its cost curves from it when it was measured on
+the machine that serves, and measures it the same way at load otherwise (engines built
+elsewhere or before the calibration existed, torch engines).
 
 While the target verifies a round's `[last, d_1..d_K]` (one forward of K+1 tokens), the
 draft pre-speculates on the other core: one glue forward (its last draft token) and K
-tree steps of B branches each (one forward of B tokens per step). Branches are free while
-that lasts no longer than the verify; beyond it the target waits. So the budget that
-hides is the largest B with `glue + K * tree_step(B) <= verify(K + 1)`, for each K the
-engines accept. It is a property of the machine and the pair, measured once at build
-time (about a second) so that loading stays deterministic; the figures go into the
-manifest's optional `calibration` entry, and engines built without one load as before
-(no hidden budget known).
+tree steps of B branches each (one forward of B rows per step). Branches are free while
+that lasts no longer than the verification; beyond it the target waits.
 """
 from __future__ import annotations
 
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
-from saguaro.runtime.control.costs import calibration_context, forward_cost
+from saguaro.runtime.control.costs import MOST_BRANCHES, CostCurve, calibration_context, hidden_branches, measure_curve
 
-CALIBRATION_REPEATS = 7
-# The fastest of the timed calls: a build machine is often busy with other work, and a
-# call preempted by a neighbour says nothing about what a round costs.
-CALIBRATION_SUMMARY = min
+CALIBRATION_PASSES = 3  # over the sizes; the fastest of them counts
 
 
 @dataclass(frozen=True)
-class BranchCalibration:
-    """Median ms of the forwards a round overlaps, at `context` cached tokens."""
+class Calibration:
+    """Seconds of one forward by its size, at `context` cached tokens, on `machine`."""
 
     context: int
-    verify_ms: dict[int, float]     # K -> the target's forward of K + 1 tokens
-    glue_ms: float                  # the draft's forward of one token
-    tree_step_ms: dict[int, float]  # B -> the draft's forward of B branch tokens
+    verify: dict[int, float]   # tokens -> the target's forward beside the draft's session
+    draft: dict[int, float]    # rows -> the draft's forward (a step for R requests, a tree step of R rows)
+    alone: dict[int, float] = field(default_factory=dict)  # tokens -> the target's, nothing beside it
     machine: str = ""
     date: str = ""
 
-    def prespeculation_ms(self, k: int, branches: int) -> float:
-        return self.glue_ms + k * self.tree_step_ms[branches]
+    def hidden_branches(self, k: int, most: int = MOST_BRANCHES) -> int:
+        """Branches whose pre-speculation (the glue forward, then K tree steps) hides under
+        one request's verification of K + 1 tokens; 0 when not even one does."""
+        tree = CostCurve(self.draft)
+        return hidden_branches(CostCurve(self.verify)(k + 1) - tree(1), tree, steps=k, most=most)
 
-    def hidden_branches(self, k: int) -> int:
-        """The largest B such that pre-speculating every budget up to B hides under
-        verify(K + 1) (a prefix, so one noisy timing cannot skip over a budget that
-        does not fit); 0 when not even one branch hides."""
-        hidden = 0
-        for branches in sorted(self.tree_step_ms):
-            if self.prespeculation_ms(k, branches) > self.verify_ms[k]:
-                break
-            hidden = branches
-        return hidden
+    def hidden_by_k(self, max_k: int, most: int = MOST_BRANCHES) -> tuple[int, ...]:
+        """`hidden_branches(K)` for K = 0 (drafts nothing), 1, .. `max_k`."""
+        return (0,) + tuple(self.hidden_branches(k, most) for k in range(1, max_k + 1))
 
-    def hidden_by_k(self) -> tuple[int, ...]:
-        """`hidden_branches(K)` for K = 0, 1, .. the largest K measured (K = 0 drafts nothing)."""
-        return (0,) + tuple(self.hidden_branches(k) for k in range(1, max(self.verify_ms) + 1))
+    @property
+    def measured_here(self) -> bool:
+        """Taken on this machine, the target alone too (as builds take it): a policy may
+        start from it without measuring."""
+        return bool(self.alone) and self.machine == machine_name()
 
-    def to_manifest(self) -> dict:
-        record = asdict(self)
-        record["verify_ms"] = {str(k): ms for k, ms in self.verify_ms.items()}  # JSON keys are strings
-        record["tree_step_ms"] = {str(b): ms for b, ms in self.tree_step_ms.items()}
-        record["hidden_branches"] = list(self.hidden_by_k())
-        return record
+    def to_manifest(self, max_k: int, most: int) -> dict:
+        def by_size(points):
+            return {str(size): seconds for size, seconds in points.items()}  # JSON keys are strings
+
+        return {"context": self.context, "verify_s": by_size(self.verify), "draft_s": by_size(self.draft),
+                "alone_s": by_size(self.alone), "machine": self.machine, "date": self.date,
+                "hidden_branches": list(self.hidden_by_k(max_k, most))}
 
     @classmethod
-    def from_manifest(cls, record: dict) -> "BranchCalibration":
-        return cls(context=record["context"], glue_ms=record["glue_ms"],
-                   verify_ms={int(k): ms for k, ms in record["verify_ms"].items()},
-                   tree_step_ms={int(b): ms for b, ms in record["tree_step_ms"].items()},
-                   machine=record.get("machine", ""), date=record.get("date", ""))
+    def from_manifest(cls, record: dict) -> "Calibration":
+        """The stored record; one from engines built before the curves (milliseconds of the
+        verify by K, the glue and the tree step by B) reads as the points it measured."""
+        if "verify_s" not in record:
+            draft = {int(b): ms / 1000 for b, ms in record["tree_step_ms"].items()}
+            draft[1] = min(draft.get(1, record["glue_ms"] / 1000), record["glue_ms"] / 1000)
+            return cls(record["context"], {int(k) + 1: ms / 1000 for k, ms in record["verify_ms"].items()}, draft,
+                       machine=record.get("machine", ""), date=record.get("date", ""))
+
+        def by_size(points):
+            return {int(size): seconds for size, seconds in points.items()}
+
+        return cls(record["context"], by_size(record["verify_s"]), by_size(record["draft_s"]),
+                   by_size(record.get("alone_s", {})), record.get("machine", ""), record.get("date", ""))
 
 
-def measure_calibration(target, draft, max_draft_tokens: int, max_branches: int,
-                        repeats: int = CALIBRATION_REPEATS) -> BranchCalibration:
-    """Time the target's verify for every K and the draft's glue and tree steps for every
-    B the engines were built for, one after the other (each on its own session threads)."""
-    context = calibration_context(target.info.max_context)
+def measure_calibration(target, draft, alone: bool = True, passes: int = CALIBRATION_PASSES) -> Calibration:
+    """Time the target's forwards (beside the draft's session, and alone unless `alone` is
+    False: engines that other decoders share never run alone) and the draft's, at the
+    ladder of sizes each can take, one engine after the other."""
+    return Calibration(calibration_context(target.info.max_context), verify=measure_curve(target, passes),
+                       draft=measure_curve(draft, passes), alone=measure_curve(target, passes, alone=True) if alone else {},
+                       machine=machine_name(), date=time.strftime("%Y-%m-%d"))
 
-    def cost(engine, count: int) -> float:
-        return forward_cost(engine, context, count, repeats, CALIBRATION_SUMMARY)
 
-    return BranchCalibration(
-        context=context, verify_ms={k: cost(target, k + 1) for k in range(1, max_draft_tokens + 1)},
-        glue_ms=cost(draft, 1), tree_step_ms={b: cost(draft, b) for b in range(1, max_branches + 1)},
-        machine=machine_name(), date=time.strftime("%Y-%m-%d"))
+def calibration_from_manifest(manifest: dict) -> Calibration | None:
+    """The engines' stored calibration, or None for engines built without one."""
+    record = manifest.get("calibration")
+    return None if record is None else Calibration.from_manifest(record)
 
 
 def machine_name() -> str:
@@ -94,9 +100,3 @@ def machine_name() -> str:
     except OSError:
         pass
     return platform.machine()
-
-
-def hidden_branches_from_manifest(manifest: dict) -> tuple[int, ...] | None:
-    """The stored `hidden_branches` by K, or None for engines built without a calibration."""
-    record = manifest.get("calibration")
-    return None if record is None else tuple(record["hidden_branches"])

@@ -1,17 +1,29 @@
-"""What one engine forward costs: the median of timed calls, after a warm-up.
+"""The cost model: what one engine forward costs, measured one way and followed while serving.
 
-One home for the timing that the benchmark tables, the build's branch calibration
-(`engines.calibration`) and the load policy's starting costs (`load_policy.calibrate`)
-all use, so that their figures are measured the same way and at the same context.
+- `forward_cost`, `forward_seconds`, `measure_curve`: timed forwards after a warm-up, at
+  one context (`CALIBRATION_CONTEXT`): how the benchmark tables, the calibration
+  (`control.calibration`: at build time, or at load for engines built without one) and
+  the load policy all measure.
+- `CostCurve`: seconds of a forward by its size, from a calibration's points, following
+  the measured rounds; `LinearCost`: a round's host work by its number of requests.
+- `hidden_branches`: the one rule for how many branches hide under a verification. The
+  build's calibration applies it at batch 1 (the default fan-out a request gets before any
+  round ran); the load policy applies it every round, on the curves it follows.
 """
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Mapping
+from contextlib import nullcontext
 
 import torch
 
 CALIBRATION_CONTEXT = 128  # cached tokens behind every calibrated forward (at most half the context)
+CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96)  # tokens or rows per forward
+FADING = 0.98                     # weight of older host-time measurements after each new one
+FOLLOWING = 0.1                   # how far one measurement moves a cost curve toward itself
+MOST_BRANCHES = 1 << 12           # per request: beyond any engine's built maximum
 
 
 def calibration_context(max_context: int) -> int:
@@ -69,3 +81,133 @@ def forward_in(engine, cache, past: int, count: int) -> None:
     """One forward of `count` tokens after `past` cached ones, rolled back after."""
     engine.forward(cache, torch.ones(count, dtype=torch.int64), torch.arange(past, past + count))
     cache.truncate(past)
+
+
+def measure_curve(engine, passes: int, alone: bool = False, sizes=CALIBRATION_SIZES) -> dict[int, float]:
+    """Seconds of one forward at each of `sizes` the engine can take (the fastest of
+    `passes`: a call a busy neighbour preempted says nothing of the engine), at the
+    calibration context; `alone`: on the session the target uses with nothing beside it."""
+    context = calibration_context(engine.info.max_context)
+    largest = engine.info.max_context - context - 1
+    if engine.info.limits is not None:
+        largest = min(largest, engine.info.limits.max_cache_entries - context - 1)
+    points: dict[int, float] = {}
+    with engine.run_alone() if alone else nullcontext():
+        for size, seconds in forward_seconds(engine, context, [s for s in sizes if s <= largest], passes):
+            points[size] = min(seconds, points.get(size, seconds))
+    return points
+
+
+def hidden_branches(budget_s: float, step_cost, steps: int, requests: int = 1, most: int = MOST_BRANCHES) -> int:
+    """The most branches per request, 0..`most`, whose `steps` draft forwards of `requests`
+    x B branch rows each last no longer than `budget_s`. `step_cost` never falls as rows
+    grow (`CostCurve` follows its rising envelope), so the count is a binary search, and one
+    noisy timing cannot skip over a budget that does not fit."""
+    fits, beyond = 0, most + 1  # the answer lies in [fits, beyond)
+    while beyond - fits > 1:
+        middle = (fits + beyond) // 2
+        if steps * step_cost(requests * middle) <= budget_s:
+            fits = middle
+        else:
+            beyond = middle
+    return fits
+
+
+class CostCurve:
+    """Seconds of one forward by its size (tokens or rows): measured at a ladder of sizes
+    (the calibration) and interpolated between them, since a CPU forward is flat while
+    the weights' reading dominates and linear once compute does. Each measurement while
+    serving moves the two sizes around it toward what it saw, each by its share of the
+    interpolation, so the curve follows the machine (a busy neighbour, a batch of many
+    short sequences costing more than one long one) without forgetting its shape. A
+    forward never costs less for more tokens: predictions follow the rising envelope."""
+
+    def __init__(self, points: Mapping[int, float] | Mapping[float, float] | None = None):
+        self.points = dict(sorted((points or {}).items()))
+        self._rising: list[tuple[float, float]] | None = None  # the envelope, until a point moves
+
+    @property
+    def known(self) -> bool:
+        return bool(self.points)
+
+    @property
+    def shaped(self) -> bool:
+        """Measured at more than one size: a curve that autoregressive rounds alone have
+        measured (at one token) still needs its calibration to say what wider ones cost."""
+        return len(self.points) > 1
+
+    def observe(self, size: float, seconds: float, lasting: bool = False) -> None:
+        """`lasting`: a calibration point, taken as it is (the fastest of its repeats)."""
+        self._rising = None
+        if lasting or not self.points:
+            self.points[size] = min(seconds, self.points.get(size, seconds))
+            self.points = dict(sorted(self.points.items()))
+            return
+        predicted = self(size)
+        if predicted <= 0 or seconds <= 0:
+            return
+        correction = seconds / predicted
+        for point, share in self._shares(size):
+            self.points[point] *= correction ** (FOLLOWING * share)
+        self._rising = None
+
+    def _shares(self, size: float) -> list[tuple[float, float]]:
+        """The measured sizes around `size` and their interpolation weights."""
+        sizes = list(self.points)
+        if size <= sizes[0]:
+            return [(sizes[0], 1.0)]
+        if size >= sizes[-1]:
+            return [(sizes[-1], 1.0)]
+        above = next(i for i, s in enumerate(sizes) if s >= size)
+        low, high = sizes[above - 1], sizes[above]
+        toward_high = (size - low) / (high - low)
+        return [(low, 1.0 - toward_high), (high, toward_high)]
+
+    def _envelope(self) -> list[tuple[float, float]]:
+        if self._rising is None:
+            self._rising, highest = [], 0.0
+            for size, seconds in self.points.items():
+                highest = max(highest, seconds)
+                self._rising.append((size, highest))
+        return self._rising
+
+    def __call__(self, size: float) -> float:
+        if size <= 0 or not self.points:
+            return 0.0
+        curve = self._envelope()
+        if len(curve) == 1:
+            return curve[0][1] * max(size / curve[0][0], 1.0)
+        if size <= curve[0][0]:
+            return curve[0][1]
+        segment = next((i for i, (s, _) in enumerate(curve) if s >= size), len(curve) - 1)
+        (low, low_s), (high, high_s) = curve[segment - 1], curve[segment]
+        return low_s + (high_s - low_s) / (high - low) * (size - low)
+
+
+class LinearCost:
+    """Seconds of host work per round as `a + b * requests`, by weighted least squares,
+    older measurements fading."""
+
+    def __init__(self):
+        self._sums = [0.0] * 5   # weight, sum x, sum y, sum xx, sum xy
+
+    def observe(self, size: float, seconds: float) -> None:
+        point = (1.0, size, seconds, size * size, size * seconds)
+        self._sums = [FADING * total + value for total, value in zip(self._sums, point)]
+
+    @property
+    def known(self) -> bool:
+        return self._sums[0] > 0
+
+    def coefficients(self) -> tuple[float, float]:
+        weight, x, y, xx, xy = self._sums
+        mean_x, mean_y = x / weight, y / weight
+        spread = xx / weight - mean_x ** 2
+        slope = max((xy / weight - mean_x * mean_y) / spread, 0.0) if spread > 1e-9 else 0.0
+        return max(mean_y - slope * mean_x, 0.0), slope
+
+    def __call__(self, size: float) -> float:
+        if size <= 0 or not self.known:
+            return 0.0
+        intercept, slope = self.coefficients()
+        return intercept + slope * size

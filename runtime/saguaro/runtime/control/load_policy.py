@@ -40,10 +40,11 @@ what the last drafts showed rather than drifting back to the optimistic prior.
 
 Acceptance by depth and the cache-hit rate are shared by every request of the same kind
 (greedy or sampled), so a new request starts from what the others showed, and are
-blended with the request's own counts as they come in. Costs start from a short
-calibration of each engine (a few forwards at different sizes) and follow the measured
-rounds after that, with old measurements fading. The pre-speculation budget is the
-number of branch rows a tree step can take while staying under the verification.
+blended with the request's own counts as they come in. Costs start from the engines'
+calibration (`control.calibration`: forwards timed at a ladder of sizes, at build time or
+at load) and follow the measured rounds after that, with old measurements fading. The
+pre-speculation budget is the number of branch rows a tree step can take while staying
+under the verification (`costs.hidden_branches`, the rule the build's calibration uses).
 
 Greedy output does not depend on K: on ONNX Runtime engines a token's logits are bit-
 identical at every verify width (`tests/test_row_independence.py`) and on either
@@ -59,12 +60,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from saguaro.runtime.control.costs import calibration_context, forward_seconds
+from saguaro.runtime.control.calibration import measure_calibration
+from saguaro.runtime.control.costs import CostCurve, LinearCost, hidden_branches
 
-CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96)  # tokens or rows per forward
-FADING = 0.98                     # weight of older host-time measurements after each new one
-MOST_BRANCHES = 1 << 12           # per request: beyond any engine's built maximum
-FOLLOWING = 0.1                   # how far one measurement moves the cost curve toward itself
 SHARED_FADING = 0.995             # of the acceptance counts shared by all requests (per round with drafts)
 PRIOR_WEIGHT = 8.0                # pseudo-rounds of the shared estimate in a request's own
 # Before anything was measured: optimistic about acceptance, so that the first rounds
@@ -72,116 +70,6 @@ PRIOR_WEIGHT = 8.0                # pseudo-rounds of the shared estimate in a re
 UNSEEN_ACCEPTANCE, UNSEEN_HIT_RATE = 0.8, 0.5
 PROBE_PERIOD = 32   # rounds: with speculation off, a request drafts in one round of this many ...
 PROBE_DRAFTS = 1    # ... this many drafts, not pre-speculated, so that its acceptance stays measured
-
-
-class CostCurve:
-    """Seconds of one forward by its size (tokens or rows): measured at a ladder of sizes
-    (the calibration) and interpolated between them, since a CPU forward is flat while
-    the weights' reading dominates and linear once compute does. Each measurement while
-    serving moves the two sizes around it toward what it saw, each by its share of the
-    interpolation, so the curve follows the machine (a busy neighbour, a batch of many
-    short sequences costing more than one long one) without forgetting its shape. A
-    forward never costs less for more tokens: predictions follow the rising envelope."""
-
-    def __init__(self, points: dict[float, float] | None = None):
-        self.points = dict(sorted((points or {}).items()))
-        self._rising: list[tuple[float, float]] | None = None  # the envelope, until a point moves
-
-    @property
-    def known(self) -> bool:
-        return bool(self.points)
-
-    @property
-    def shaped(self) -> bool:
-        """Measured at more than one size: a curve that autoregressive rounds alone have
-        measured (at one token) still needs its calibration to say what wider ones cost."""
-        return len(self.points) > 1
-
-    def observe(self, size: float, seconds: float, lasting: bool = False) -> None:
-        """`lasting`: a calibration point, taken as it is (the fastest of its repeats)."""
-        self._rising = None
-        if lasting or not self.points:
-            self.points[size] = min(seconds, self.points.get(size, seconds))
-            self.points = dict(sorted(self.points.items()))
-            return
-        predicted = self(size)
-        if predicted <= 0 or seconds <= 0:
-            return
-        correction = seconds / predicted
-        for point, share in self._shares(size):
-            self.points[point] *= correction ** (FOLLOWING * share)
-        self._rising = None
-
-    def _shares(self, size: float) -> list[tuple[float, float]]:
-        """The measured sizes around `size` and their interpolation weights."""
-        sizes = list(self.points)
-        if size <= sizes[0]:
-            return [(sizes[0], 1.0)]
-        if size >= sizes[-1]:
-            return [(sizes[-1], 1.0)]
-        above = next(i for i, s in enumerate(sizes) if s >= size)
-        low, high = sizes[above - 1], sizes[above]
-        toward_high = (size - low) / (high - low)
-        return [(low, 1.0 - toward_high), (high, toward_high)]
-
-    def _envelope(self) -> list[tuple[float, float]]:
-        if self._rising is None:
-            self._rising, highest = [], 0.0
-            for size, seconds in self.points.items():
-                highest = max(highest, seconds)
-                self._rising.append((size, highest))
-        return self._rising
-
-    def __call__(self, size: float) -> float:
-        if size <= 0 or not self.points:
-            return 0.0
-        curve = self._envelope()
-        if len(curve) == 1:
-            return curve[0][1] * max(size / curve[0][0], 1.0)
-        if size <= curve[0][0]:
-            return curve[0][1]
-        segment = next((i for i, (s, _) in enumerate(curve) if s >= size), len(curve) - 1)
-        (low, low_s), (high, high_s) = curve[segment - 1], curve[segment]
-        return low_s + (high_s - low_s) / (high - low) * (size - low)
-
-
-class LinearCost:
-    """Seconds of host work per round as `a + b * requests`, by weighted least squares,
-    older measurements fading."""
-
-    def __init__(self):
-        self._sums = [0.0] * 5   # weight, sum x, sum y, sum xx, sum xy
-
-    def observe(self, size: float, seconds: float) -> None:
-        point = (1.0, size, seconds, size * size, size * seconds)
-        self._sums = [FADING * total + value for total, value in zip(self._sums, point)]
-
-    @property
-    def known(self) -> bool:
-        return self._sums[0] > 0
-
-    def coefficients(self) -> tuple[float, float]:
-        weight, x, y, xx, xy = self._sums
-        mean_x, mean_y = x / weight, y / weight
-        spread = xx / weight - mean_x ** 2
-        slope = max((xy / weight - mean_x * mean_y) / spread, 0.0) if spread > 1e-9 else 0.0
-        return max(mean_y - slope * mean_x, 0.0), slope
-
-    def __call__(self, size: float) -> float:
-        if size <= 0 or not self.known:
-            return 0.0
-        intercept, slope = self.coefficients()
-        return intercept + slope * size
-
-
-def calibrate(engine, cost: CostCurve, sizes=CALIBRATION_SIZES) -> None:
-    """A few forwards of different sizes, timed as every calibration is (`costs`), so that
-    the first rounds' choice has costs to go on (a forward's cost depends on the machine,
-    not the request). Two passes over the sizes; both count, the first being the costlier."""
-    context = calibration_context(engine.info.max_context)
-    largest = min(max(sizes), engine.info.max_context - context - 1, engine.info.limits.max_cache_entries - context - 1)
-    for size, seconds in forward_seconds(engine, context, [s for s in sizes if s <= largest], passes=2):
-        cost.observe(size, seconds, lasting=True)
 
 
 @dataclass
@@ -340,17 +228,21 @@ class LoadPolicy:
             counts.record_lookup(hit)
 
     def calibrate(self) -> None:
-        """Costs to start from; the decoder calls it before the first requests the policy
-        steers take their KV slots (calibrating needs one of each engine's)."""
+        """Costs to start from: the engines' calibration where it was taken on this machine
+        (at build time), else one measured now the same way (`control.calibration`). The
+        decoder calls it before the first requests the policy steers take their KV slots
+        (measuring needs one of each engine's)."""
+        if self.verify_cost.shaped and self.draft_cost.shaped:
+            return
         target, draft = self._engines
-        if not self.verify_cost.shaped:
-            calibrate(target, self.verify_cost)
-        if self.alone and not self.alone_cost.shaped:
-            with target.run_alone():
-                calibrate(target, self.alone_cost)
-        if not self.draft_cost.shaped:
-            calibrate(draft, self.draft_cost)
-            self.tree_cost = CostCurve(self.draft_cost.points)
+        stored = target.info.calibration
+        calibration = (stored if stored is not None and stored.measured_here
+                       else measure_calibration(target, draft, alone=self.alone))
+        for curve, points in ((self.verify_cost, calibration.verify), (self.alone_cost, calibration.alone),
+                              (self.draft_cost, calibration.draft)):
+            for size, seconds in points.items():
+                curve.observe(size, seconds, lasting=True)
+        self.tree_cost = CostCurve(self.draft_cost.points)
 
     def choose(self, batch) -> list[Plan]:
         """The plan of each `batch` entry (a `decoding.Sequence`: its `k`, `adapts`,
@@ -476,19 +368,13 @@ class LoadPolicy:
 
     def _branch_rows(self, candidates, ks) -> int:
         """Branches per speculating request that keep pre-speculation (the glue step and
-        max K tree steps of requests x branches rows) under verification; at least one."""
+        max K tree steps over requests x branches rows, as the tree curve measures a step)
+        under this round's verification (`costs.hidden_branches`); at least one."""
         speculating = [k for c, k in zip(candidates, ks) if c.prespeculating and k]
         if not speculating:
             return 0
-        per_step = self.verify_cost(sum(k + 1 for k in ks)) / (max(speculating) + 1)
-        fits, beyond = 1, MOST_BRANCHES + 1  # the answer lies in [fits, beyond)
-        while beyond - fits > 1:
-            middle = (fits + beyond) // 2
-            if self.tree_cost(len(speculating) * middle) <= per_step:
-                fits = middle
-            else:
-                beyond = middle
-        return fits
+        verify = self.verify_cost(sum(k + 1 for k in ks))
+        return max(1, hidden_branches(verify, self.tree_cost, steps=max(speculating) + 1, requests=len(speculating)))
 
 
 def most_drafts(sequence) -> int:

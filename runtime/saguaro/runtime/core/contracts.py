@@ -28,6 +28,7 @@ from typing import ContextManager, NamedTuple, Protocol, Sequence, runtime_check
 import torch
 
 from saguaro.plugins.branch_draft.reference import BranchPlan
+from saguaro.runtime.control.calibration import Calibration
 from saguaro.runtime.core.sampling import SamplingParams
 
 
@@ -72,9 +73,9 @@ class EngineInfo:
     bos_token_id: int | None
     tokenizer_fingerprint: str
     limits: EngineLimits | None = None  # None: no limit beyond max_context (torch engines)
-    # by K: the largest branch budget whose pre-speculation hides under one verify on the
-    # machine that built the engines (`engines.calibration`); None: not measured
-    hidden_branches: tuple[int, ...] | None = None
+    # what the forwards cost on the machine that built the engines (`control.calibration`);
+    # None: not measured
+    calibration: Calibration | None = None
     # A target's: the layers whose hidden states it returns with its logits, for a feature
     # draft (`llama.Features`); empty: none. A draft's: whether it reads them (`Step.hidden`).
     feature_layers: tuple[int, ...] = ()
@@ -97,10 +98,12 @@ class EngineInfo:
         return None if self.limits is None else self.limits.max_branches
 
     def hidden_budget(self, k: int) -> int | None:
-        """Branches that hide under a verify of K+1 tokens; None when not measured for K."""
-        if self.hidden_branches is None or not 0 <= k < len(self.hidden_branches):
+        """Branches that hide under a verify of K+1 tokens at batch 1, at most the engines'
+        built maximum (the calibration's rule); None when not measured or K is beyond the
+        engines'."""
+        if self.calibration is None or self.limits is None or not 0 <= k <= self.limits.max_draft_tokens:
             return None
-        return self.hidden_branches[k]
+        return self.calibration.hidden_by_k(k, self.limits.max_branches)[k]
 
 
 class Cache(Protocol):

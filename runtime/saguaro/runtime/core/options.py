@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from saguaro.runtime.control.budget import AdaptiveBudget, OnlineBudget, StaticFanout
+from saguaro.runtime.control.budget import OnlineBudget, StaticFanout
 from saguaro.runtime.core.sampling import SaguaroSampling, SamplingParams
 
 MODES = ("autoregressive", "speculative", "ssd")
 DEFAULT_FANOUT = (3,)  # the official code's static default: 3 candidates at every depth
-AUTO_BUDGET_CAP = 16   # budget "auto": B adapts within [1, 16] (or the engines' built maximum)
+AUTO_BUDGET_CAP = 16   # budget "auto": the load policy sizes B each round, up to 16 (or the engines' built maximum)
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class DecodeOptions:
     num_draft_tokens: int = 4
     fanout: tuple[int, ...] = DEFAULT_FANOUT  # F_j: one value for every depth, or K+1 values
     budget: int | str | None = None           # instead of fanout: B branches placed online;
-                                              # "auto": B chosen from measured time as well
+                                              # "auto": the load policy sizes B each round
     saguaro_factor: float | None = None       # Saguaro sampling (temperature > 0) when set
     saguaro_top: int = max(DEFAULT_FANOUT) + 1  # ... scaling the draft's `saguaro_top` likeliest tokens
     prespeculate: bool = True                 # ssd only; off reduces ssd to speculative
@@ -68,13 +68,19 @@ class DecodeOptions:
         places_branches = self.budget is not None or any(self.fanout)
         return self.mode == "ssd" and self.prespeculate and self.num_draft_tokens > 0 and places_branches
 
+    @property
+    def steered(self) -> bool:
+        """The load policy decides something for it: its K (`adapt_k`), or the size of its
+        "auto" budget (and, with either, whether a round pre-speculates)."""
+        return self.adapt_k or self.budget == "auto"
+
     def fanout_policy(self, max_branches: int | None = None) -> StaticFanout | OnlineBudget:
-        """The branch policy; `max_branches` caps an "auto" budget (the engines' limit)."""
-        if self.budget == "auto":
-            return AdaptiveBudget(min(AUTO_BUDGET_CAP, max_branches or AUTO_BUDGET_CAP), self.num_draft_tokens)
+        """Where the branches go; `max_branches` (the engines' limit) caps an "auto" budget,
+        whose size each round is the load policy's."""
         if self.budget is not None:
-            assert isinstance(self.budget, int)  # validated: an int >= 1 or "auto"
-            return OnlineBudget(self.budget, self.num_draft_tokens)
+            budget = min(AUTO_BUDGET_CAP, max_branches or AUTO_BUDGET_CAP) if self.budget == "auto" else self.budget
+            assert isinstance(budget, int)  # validated: an int >= 1 or "auto"
+            return OnlineBudget(budget, self.num_draft_tokens)
         return StaticFanout(list(self.fanout), self.num_draft_tokens)
 
     def saguaro(self, sampling: SamplingParams) -> SaguaroSampling | None:

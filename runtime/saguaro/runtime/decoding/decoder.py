@@ -146,9 +146,9 @@ class Sequence:
 
     @property
     def steered(self) -> bool:
-        """Its pre-speculation follows the load policy (on or off, how many branches): as
-        `adapts`, a request that lets the policy choose."""
-        return self.request.options.adapt_k
+        """Its pre-speculation follows the load policy (on or off, how many branches): a
+        request that lets the policy choose its K, or that asked for an "auto" budget."""
+        return self.request.options.steered
 
     @property
     def room(self) -> int:
@@ -194,7 +194,7 @@ class Sequence:
         assert self.proposal is not None  # as in `round_draft_tokens`
         return self.verifier.round(self.out.ids, self.proposal, self.verified, self.request.logprobs is not None)
 
-    def commit(self, outcome: VerifyResult, speculation: SpeculationCache | None, verify_s: float) -> bool | None:
+    def commit(self, outcome: VerifyResult, speculation: SpeculationCache | None) -> bool | None:
         """The round's outcome: keep it, then look it up among the pre-speculated drafts
         (returns whether the lookup hit; None without one)."""
         drafted = self.round_proposal.tokens
@@ -208,7 +208,7 @@ class Sequence:
         if self.done or speculation is None:
             return None
         self.proposal = take_speculation(self.drafter, self.fanout_policy, self.stats, self.out.ids, drafted,
-                                         speculation, outcome, verify_s)
+                                         speculation, outcome)
         self.after_hit = self.proposal is not None
         return self.after_hit
 
@@ -253,7 +253,7 @@ class Decoder:
     def start(self, requests: Seq[Request]) -> list[Sequence]:
         """New sequences: the target prefills their prompts (one batched forward); the
         draft drafts their first proposals in their first round, as the policy plans it."""
-        if any(request.options.adapt_k for request in requests):
+        if any(request.options.steered for request in requests):
             self.load_policy.calibrate()
         if self.alone:
             with self.target.run_alone():
@@ -307,7 +307,7 @@ class Decoder:
             sequence.stats.verify_s += verifying.seconds
             sequence.stats.wait_s += waiting.seconds
             verified = sequence.verified
-            hit = sequence.commit(outcome, speculations.get(id(sequence)), verifying.seconds)
+            hit = sequence.commit(outcome, speculations.get(id(sequence)))
             report.sequences.append(SequenceRound(sequence.acceptance, sequence.greedy, verified, outcome.accepted, hit))
         return report
 

@@ -22,11 +22,10 @@ from saguaro.runtime.decoding.speculator import Speculator, lockstep
 
 
 def take_speculation(speculator: Speculator, fanout_policy, stats: GenerationStats, ids: list[int], drafted,
-                     speculation: SpeculationCache, outcome: VerifyResult, verify_s: float) -> Draft | None:
+                     speculation: SpeculationCache, outcome: VerifyResult) -> Draft | None:
     """After `outcome` (with `ids` now committed): the hit branch's draft, or None on a miss."""
     stats.branches_drafted += len(speculation.drafts)
     fanout_policy.observe(outcome.accepted, bonus_rank(speculation.scores, drafted, outcome.accepted, outcome.bonus))
-    fanout_policy.observe_timing(verify_s, speculation.seconds)
     branch = speculation.lookup(outcome.accepted, outcome.bonus)
     if branch is None:
         stats.cache_misses += 1
@@ -70,12 +69,12 @@ class DraftRounds:
         self._pending = None
         return self._speculation
 
-    def next_draft(self, ids, proposal: Draft, outcome: VerifyResult, verify_seconds: float) -> Draft:
+    def next_draft(self, ids, proposal: Draft, outcome: VerifyResult) -> Draft:
         """After `outcome` (with `ids` now committed): the cached branch on a hit, else a new draft."""
         speculation, self._speculation = self._speculation, None
         if speculation is not None:
             hit = self.worker.submit(take_speculation, self.speculator, self.fanout_policy, self.stats, ids,
-                                     proposal.tokens, speculation, outcome, verify_seconds).result()
+                                     proposal.tokens, speculation, outcome).result()
             if hit is not None:
                 return hit
         return self.draft(ids)

@@ -129,7 +129,7 @@ class RequestDrafts:
                 draft = self.rounds.draft(ids)
             else:
                 self.stats.record_round(outcome.accepted, len(self.proposal))
-                draft = self.rounds.next_draft(ids, self.proposal, outcome, verify_s)
+                draft = self.rounds.next_draft(ids, self.proposal, outcome)
         self.ids, self.proposal = ids, draft
         self.rounds.prespeculate(ids, draft)
         self.handed_at = time.perf_counter()

@@ -17,9 +17,9 @@ missing, changed, or not in the manifest fails with its name). Layout:
   versions     exporter and backend versions, opset
   inputs       sha256 of every checkpoint file the build read (target/..., draft/...)
   files        sha256 of every file in the directory but the manifest itself
-  calibration  optional (ONNX Runtime builds): the timings of a round's verify and
-               pre-speculation on the building machine and `hidden_branches` by K
-               (`engines.calibration`); manifests without it load, with no hidden budget
+  calibration  optional (ONNX Runtime builds): seconds of the target's and the draft's
+               forwards by size on the building machine, and `hidden_branches` by K
+               (`control.calibration`); manifests without it load, with no hidden budget
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import saguaro.plugins.branch_draft as branch_draft
 import saguaro.plugins.fused_verify as fused_verify
 from saguaro.runtime.models.checkpoint import CheckpointError, check_pair_compatible
 from saguaro.runtime.core.contracts import EngineInfo, EngineLimits
-from saguaro.runtime.control.calibration import hidden_branches_from_manifest
+from saguaro.runtime.control.calibration import calibration_from_manifest
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = "saguaro-engines"
@@ -163,7 +163,7 @@ def engine_info(backend: str, engine_dir: Path, role: str, manifest: dict) -> En
     return EngineInfo(backend=backend, path=str(Path(engine_dir) / role), vocab_size=model["shape"]["vocab_size"],
                       max_context=limits.max_context, eos_token_ids=manifest_eos_ids(model),
                       bos_token_id=model["bos_token_id"], tokenizer_fingerprint=model["tokenizer_fingerprint"],
-                      limits=limits, hidden_branches=hidden_branches_from_manifest(manifest),
+                      limits=limits, calibration=calibration_from_manifest(manifest),
                       feature_layers=tuple(model.get("feature_layers", ())),
                       reads_features=is_feature_draft(model), acceptance=tuple(model.get("acceptance", ())))
 
