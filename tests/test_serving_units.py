@@ -52,7 +52,8 @@ from saguaro.serving.requests import (
     split_words,
     word_list,
 )
-from saguaro.serving.responses import first_stop_end, run_request
+from saguaro.serving.responses import first_stop_end, run_request, start_request
+from saguaro.serving.settings import parse_stream_interval, rounds_per_response
 
 LIMITS = ModelLimits(max_context=64, vocab_size=300, eos_token_id=2)
 
@@ -318,6 +319,44 @@ def test_streaming_sends_each_round_then_a_final_response_with_stats(pipeline):
         assert arrays["prefix_ids"].reshape(-1).tolist() == before[max(0, len(before) - PREFIX_TOKENS):]
 
 
+def test_sends_go_through_post_in_order_and_what_the_interval_kept_back_precedes_the_final(pipeline):
+    """Responses are built in the round and handed to `post` (the Triton model's outbox
+    thread); with an interval longer than the generation, one response carries every
+    token, with their log-probabilities and the text, just before the final one."""
+    prompt = pipeline.encode("the quick")
+    options = DecodeOptions(max_tokens=24, eos_token_id=-1)
+    logprobs: list[float] = []
+    reference = pipeline.generate_batch([pipeline.request(prompt, options, SamplingParams(), logprobs=logprobs)])[0]
+    posted, sent = [], []
+    request = ServingRequest(prompt, options, SamplingParams(), stream=True, logprobs=True)
+    outcome = start_request(pipeline, request, lambda arrays, final: sent.append((arrays, final)),
+                            stop_reason=lambda: None, decode=pipeline.decode, post=posted.append,
+                            interval=lambda: 1000).result()
+    assert len(posted) == 2 and not sent  # nothing is sent but through `post`
+    for work in posted:
+        work()
+    (update, _), (final, is_final) = sent
+    assert is_final and new_ids(sent) == reference.output_ids == outcome.output_ids and reference.stats.rounds > 1
+    assert update["output_log_probs"].reshape(-1).tolist() == pytest.approx(logprobs) and len(logprobs) == 24
+    assert update["text_output"].reshape(-1)[0].decode() == pipeline.decode(reference.output_ids)
+
+
+def test_a_stream_sent_every_third_round_loses_no_token_and_ends_with_the_rest(pipeline):
+    prompt = pipeline.encode("the quick")
+    options = DecodeOptions(max_tokens=24, eos_token_id=-1)
+    reference = pipeline.generate(prompt, options, SamplingParams())
+    sent: list = []
+    request = ServingRequest(prompt, options, SamplingParams(), stream=True)
+    start_request(pipeline, request, lambda arrays, final: sent.append((arrays, final)), stop_reason=lambda: None,
+                  interval=lambda: 3).result()
+    assert new_ids(sent) == reference.output_ids and sent[-1][1] and sent[-1][0]["output_ids"].size == 0
+    updates = len(sent) - 1
+    assert updates == reference.stats.rounds // 3 + (reference.stats.rounds % 3 > 0)  # the rest before the end
+    for index, (arrays, _) in enumerate(sent):
+        before = new_ids(sent[:index])
+        assert arrays["prefix_ids"].reshape(-1).tolist() == before[max(0, len(before) - PREFIX_TOKENS):]
+
+
 def test_without_streaming_a_heartbeat_per_round_then_one_final_response_carries_everything(pipeline):
     prompt = pipeline.encode("café")
     options = DecodeOptions(max_tokens=16, eos_token_id=-1)
@@ -553,6 +592,21 @@ def test_checkpoints_fill_the_templates_too(tiny_pair, tmp_path):
 def test_knobs_beyond_the_engines_limits_are_refused(tiny_engines):
     with pytest.raises(ValueError, match="--num-draft-tokens: 99 draft tokens exceed the engines. built maximum"):
         values_from_args(parse_args(["--engines", str(tiny_engines), "--num-draft-tokens", "99"]))
+
+
+def test_the_stream_interval_reaches_the_model_config_and_a_bad_one_is_refused_naming_the_flag(tiny_engines, tmp_path):
+    ssd = parameters_in(prepare_model_repo(tmp_path / "repo", values_from_args(
+        parse_args(["--engines", str(tiny_engines), "--stream-interval", "3"]))) / "ssd" / "config.pbtxt")
+    assert ssd["stream_interval"] == "3"
+    for bad in ("0", "often"):
+        with pytest.raises(ValueError, match=f"--stream-interval: .*got '{bad}'"):
+            values_from_args(parse_args(["--engines", str(tiny_engines), "--stream-interval", bad]))
+
+
+def test_auto_stream_interval_keeps_a_rounds_responses_to_a_few_whatever_the_batch():
+    assert [rounds_per_response("auto", batch) for batch in (1, 4, 5, 8, 16, 17)] == [1, 1, 2, 2, 4, 5]
+    assert rounds_per_response(3, 1) == rounds_per_response(3, 16) == 3
+    assert parse_stream_interval("auto") == "auto" and parse_stream_interval(" 2 ") == 2
 
 
 def test_an_unrelated_folder_is_never_replaced(tiny_pair, tmp_path):

@@ -5,10 +5,10 @@ returns at once. One scheduler thread decodes every active request together, one
 at a time (`saguaro.runtime.decoding.scheduler`): each round verifies all of them in one batched
 target forward while the draft pre-speculates for all of them; requests join and leave
 between rounds, and those beyond the KV slots wait in order. Each request's responses go
-out as its rounds complete (`saguaro.serving.responses.start_request`: the round's tokens
-when streaming, a heartbeat otherwise) and a final response carries its stats. Why a
-generation must stop is asked once per round; the SSD figures also go to Triton's metrics
-endpoint as custom metrics (queueing and batch sizes among them).
+out as its rounds complete (`saguaro.serving.responses.start_request`: the tokens since the
+last response when streaming, a heartbeat otherwise) and a final response carries its
+stats. Why a generation must stop is asked once per round; the SSD figures also go to
+Triton's metrics endpoint as custom metrics (queueing and batch sizes among them).
 
 Cancellation through the ensemble needs a relay: Triton cancels only the ensemble steps
 it schedules after the client cancels, never one in flight, so this model's request never
@@ -35,13 +35,13 @@ from saguaro.runtime.pipeline import Pipeline
 from saguaro.serving import lifecycle
 from saguaro.serving import requests as serving
 from saguaro.serving.responses import Timing, start_request
+from saguaro.serving.settings import DEFAULT_MAX_QUEUE, DEFAULT_STREAM_INTERVAL, parse_stream_interval, rounds_per_response
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Tokens per second of one request; a tiny model on CPU reaches the thousands.
 TOKENS_PER_S_BUCKETS = [1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000]
 BATCH_SIZE_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 DRAFT_TOKENS_BUCKETS = [0, 1, 2, 3, 4, 6, 8, 16]
-DEFAULT_MAX_QUEUE = 1024
 # Asking Triton whether a direct request is cancelled is a round trip to the server
 # process; every 10 ms keeps that cost small when rounds take a fraction of a millisecond.
 # (Requests through the ensemble hear of it through the postprocessing relay instead.)
@@ -77,11 +77,12 @@ def polled(check, every_s: float):
 
 
 class Outbox:
-    """One thread that sends every response, in order. The scheduler hands each round's
-    responses over and goes on with the next round: building Triton tensors and passing
-    them to the server process (shared memory and a message per response) then overlaps
-    the engines' next forward, which runs without the GIL, instead of adding to every
-    round. Work posted after a request's final response (ending it in the registry and
+    """One thread that builds and sends every response, in order. The scheduler hands each
+    round's tokens over and goes on with the next round: detokenizing, building Triton
+    tensors and passing them to the server process (shared memory and a message per
+    response) then overlap the engines' next forward, which runs without the GIL, instead
+    of adding to every round; a stream whose last send is still waiting here takes the
+    next round's tokens into it (`responses.ResponseStream`). Work posted after a request's final response (ending it in the registry and
     the metrics) runs after that response is sent, so a drain never outruns it."""
 
     def __init__(self):
@@ -118,10 +119,9 @@ class Replies:
         self.open, self.decoupled, self.lock = items, decoupled, threading.Lock()
 
     def send(self, arrays: dict, final: bool) -> None:
-        if final or self.decoupled:
-            self.outbox.post(lambda: self.send_now(arrays, final))
-
-    def send_now(self, arrays: dict, final: bool) -> None:
+        """In the outbox's thread (`start_request` posts every send there)."""
+        if not (final or self.decoupled):
+            return
         with self.lock:
             closing = final and self.open == 1
             self.open -= final
@@ -240,13 +240,22 @@ class TritonPythonModel:
         self.limits = serving.ModelLimits(self.pipeline.max_context, info.vocab_size, info.eos_token_id)
         self.max_queue = int(parameters.get("max_queue") or DEFAULT_MAX_QUEUE)
         self.metrics = SsdMetrics(args["model_name"], args["model_version"])
-        self.pipeline.observe_rounds(lambda batch: self.metrics.observe_round(batch, self.pipeline.queued))
+        self.stream_interval = parse_stream_interval(parameters.get("stream_interval") or DEFAULT_STREAM_INTERVAL)
+        self.batch = 1  # requests in the last round: how often a stream's tokens are sent
+        self.pipeline.observe_rounds(self.observe_round)
         self.generations = lifecycle.Generations()
         self.outbox = Outbox()
         self.control_token = os.environ.get(lifecycle.CONTROL_TOKEN_ENV)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         # for requests sent as text_input
         self.codec = serving.TextCodec(parameters["tokenizer_dir"]) if parameters.get("tokenizer_dir") else None
+
+    def observe_round(self, batch) -> None:
+        self.batch = len(batch)
+        self.metrics.observe_round(batch, self.pipeline.queued)
+
+    def rounds_per_response(self) -> int:
+        return rounds_per_response(self.stream_interval, self.batch)
 
     def execute(self, requests):
         for request in requests:
@@ -309,7 +318,8 @@ class TritonPythonModel:
                 self.pipeline, parsed,
                 lambda arrays, final: replies.send({**arrays, "generation_id": id_array}, final),
                 stop_reason=stop_reason(live, client_cancelled),
-                decode=self.codec.decode if parsed.text else None, timing=timing)
+                decode=self.codec.decode if parsed.text else None, timing=timing, post=self.outbox.post,
+                interval=self.rounds_per_response)
         except Exception as error:  # noqa: BLE001 - refused before it was queued
             self.failed(replies, live, error)
             return

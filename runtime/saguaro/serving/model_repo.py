@@ -28,12 +28,14 @@ from saguaro.runtime.engines.manifest import read_manifest
 from saguaro.runtime.engines.torch_engine import DEFAULT_MAX_CONTEXT as TORCH_MAX_CONTEXT
 from saguaro.runtime.models.checkpoint import llama_shape, read_config
 from saguaro.runtime.pipeline import BATCHING
+from saguaro.serving.settings import (
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_STREAM_INTERVAL,
+    DEFAULT_TRITON_MAX_BATCH_SIZE,
+    parse_stream_interval,
+)
 
 PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
-DEFAULT_MAX_QUEUE = 1024
-# Prompts one request may hold (tensorrtllm_backend's triton_max_batch_size); each runs as a
-# request of its own in the scheduler, so this bounds a request, not the KV slots.
-DEFAULT_TRITON_MAX_BATCH_SIZE = 8
 
 
 def templates_dir() -> Path:
@@ -114,7 +116,7 @@ def default_options(source: ModelSource, mode: str, num_draft_tokens: int | None
 def template_values(source: ModelSource, options: DecodeOptions, max_concurrency: int | None,
                     max_queue: int, batching: str = BATCHING[0],
                     triton_max_batch_size: int = DEFAULT_TRITON_MAX_BATCH_SIZE,
-                    decoupled: bool = True) -> dict[str, str]:
+                    decoupled: bool = True, stream_interval: int | str = DEFAULT_STREAM_INTERVAL) -> dict[str, str]:
     def text(value) -> str:
         return "" if value is None else str(value)
 
@@ -126,6 +128,7 @@ def template_values(source: ModelSource, options: DecodeOptions, max_concurrency
             "default_fanout": ",".join(map(str, options.fanout)), "default_budget": text(options.budget),
             "default_adapt_k": str(options.adapt_k).lower(),
             "max_concurrency": text(max_concurrency), "max_queue": str(max_queue), "batching": batching,
+            "stream_interval": str(stream_interval),
             "triton_max_batch_size": str(triton_max_batch_size), "decoupled_mode": str(decoupled).lower()}
 
 
@@ -188,6 +191,10 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     triton.add_argument("--triton-max-batch-size", type=int, default=DEFAULT_TRITON_MAX_BATCH_SIZE,
                         help="prompts one request may hold (batched requests get one response per prompt, "
                              f"each with its batch_index; default {DEFAULT_TRITON_MAX_BATCH_SIZE})")
+    triton.add_argument("--stream-interval", default=DEFAULT_STREAM_INTERVAL,
+                        help="rounds a stream's tokens may wait before they are sent (as TensorRT-LLM's "
+                             "stream_interval): an integer N, or 'auto' (about 4 responses per round whatever "
+                             "the batch: every round for up to 4 streams, every 4th for 16; default)")
     triton.add_argument("--decoupled-mode", choices=("true", "false"), default="true",
                         help="true: streaming, one response per round (default); false: one response per "
                              "request (Triton's non-streaming API)")
@@ -213,10 +220,14 @@ def values_from_args(args: argparse.Namespace) -> dict[str, str]:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.triton_max_batch_size < 1:
         raise ValueError(f"--triton-max-batch-size must be >= 1, got {args.triton_max_batch_size}")
+    try:
+        stream_interval = parse_stream_interval(args.stream_interval)
+    except ValueError as error:
+        raise ValueError(f"--stream-interval: {error}") from None
     options = default_options(source, args.mode, args.num_draft_tokens, args.fanout, args.budget,
                               adapt_k=not args.fixed_k)
     return template_values(source, options, args.max_concurrency, args.max_queue, args.batching,
-                           args.triton_max_batch_size, args.decoupled_mode == "true")
+                           args.triton_max_batch_size, args.decoupled_mode == "true", stream_interval)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

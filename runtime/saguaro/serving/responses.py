@@ -6,6 +6,11 @@ scheduler and turns its rounds into response arrays: one per round when streamin
 content-free heartbeat per round (so that Triton's cancellation reaches the
 postprocessing step, see `ResponseStream`) and the whole completion at the end; the final
 response carries the request's stats.
+
+A stream's tokens are sent every `interval` rounds (`settings.stream_interval`: under
+load one response carries several rounds' tokens, so the work per token falls as streams
+are added; alone, a stream gets one response per round), through `post` (the Triton
+model's outbox thread, which passes them to the server while the next round runs).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from saguaro.runtime.models.detokenizer import Decode, prefix_window, text_delta
 from saguaro.serving.requests import ServingRequest
 
 Send = Callable[[dict, bool], None]  # (response arrays, whether this is the final response)
+Post = Callable[[Callable[[], None]], None]  # runs work later, in order (one sender thread)
 StopReason = Callable[[], "str | None"]  # why the generation must stop now, or None
 
 
@@ -144,25 +150,31 @@ class Outcome:
 
 
 class ResponseStream:
-    """Receives a generation's rounds and sends them on as response arrays: each round's
-    tokens when streaming, else a heartbeat per round and everything at the end. With
-    `decode` (the model detokenizes itself, as for `text_input` requests) each response
-    also carries its text."""
+    """Receives a generation's rounds (in the scheduler's thread) and sends them on as
+    response arrays: the tokens not sent yet when streaming, else a heartbeat, every
+    `interval()` rounds (default: each), and everything at the end. With `decode` (the
+    model detokenizes itself, as for `text_input` requests) each response also carries its
+    text. `post` sends them, in order (default: at once)."""
 
     def __init__(self, request: ServingRequest, send: Send, decode: Decode | None = None,
-                 timing: Timing | None = None):
+                 timing: Timing | None = None, post: Post | None = None, interval: Callable[[], int] | None = None):
         self.request, self.send, self.decode = request, send, decode
+        self.post: Post = post or (lambda work: work())
+        self.interval = interval or (lambda: 1)
         self.timing = timing or Timing()
         self.generated: list[int] = []
         self.logprobs: list[float] | None = [] if request.logprobs else None  # the decoder appends to it
         self.stats: GenerationStats | None = None
-        self.stopped = False  # a stop sequence ended the generation
+        self.stopped = False     # a stop sequence ended the generation
+        self.sent = 0            # tokens already streamed
+        self.rounds_unsent = 0   # rounds since the last response
 
     def on_start(self, stats: GenerationStats) -> None:
         self.stats = stats
         self.timing.first_scheduled_ns = now_ns()
 
     def on_tokens(self, tokens: list[int]) -> None:
+        """Keep the round's tokens (up to a stop sequence); send when the interval is up."""
         if self.stopped:
             return
         self.timing.last_token_ns = now_ns()
@@ -175,14 +187,25 @@ class ResponseStream:
             self.stopped = True
         if self.logprobs is not None:
             del self.logprobs[len(self.generated):]
+        self.rounds_unsent += 1
+        if self.rounds_unsent >= self.interval():
+            self.send_update()
+
+    def send_update(self) -> None:
+        """The tokens kept since the last response, or a heartbeat (not streaming: no
+        tokens, so postprocessing answers nothing, but Triton schedules a postprocessing
+        step, the only step that sees the ensemble request's cancellation; Triton does not
+        cancel a step already running)."""
+        self.rounds_unsent = 0
         if not self.request.stream:
-            # a heartbeat: no tokens, so postprocessing answers nothing, but Triton schedules
-            # a postprocessing step, the only step that sees the ensemble request's
-            # cancellation (Triton does not cancel a step already running)
-            self.send(response_arrays(self.response([], []), self.request), False)
-        elif len(self.generated) > start:
+            response = self.response([], [])
+        elif len(self.generated) > self.sent:
+            start, self.sent = self.sent, len(self.generated)
             response = self.response(self.generated[start:], prefix_window(self.generated, start), start)
-            self.send(response_arrays(response, self.request), False)
+        else:
+            return
+        arrays = response_arrays(response, self.request)
+        self.post(lambda: self.send(arrays, False))
 
     def response(self, new_ids: list[int], prefix_ids: list[int], logprobs_from: int | None = None,
                  summary: Summary | None = None, final: bool = False) -> Response:
@@ -214,17 +237,22 @@ class ResponseStream:
             response = self.response(prompt + self.generated, [], 0, summary, True)
             if self.decode is not None:  # the whole text, the prompt's too when it is repeated
                 response = replace(response, text=self.decode(prompt + self.generated))
-        self.send(response_arrays(response, self.request), True)
+        if self.request.stream:
+            self.send_update()  # tokens the interval kept back go out first
+        arrays = response_arrays(response, self.request)
+        self.post(lambda: self.send(arrays, True))
         return outcome
 
 
 def start_request(pipeline, request: ServingRequest, send: Send, stop_reason: StopReason,
-                  decode: Decode | None = None, timing: Timing | None = None) -> Future:
+                  decode: Decode | None = None, timing: Timing | None = None, post: Post | None = None,
+                  interval: Callable[[], int] | None = None) -> Future:
     """Queue the generation with the pipeline's scheduler; responses go out as its rounds
-    complete (from the scheduler's thread), and a final one with the stats. `stop_reason`
-    is asked before every round (a reason stops the generation). The future's result is
-    the `Outcome`, once the final response is sent."""
-    stream = ResponseStream(request, send, decode, timing)
+    complete (sent through `post`, else from the scheduler's thread; every `interval()`
+    rounds), and a final one with the stats. `stop_reason` is asked before every round (a
+    reason stops the generation). The future's result is the `Outcome`, once the final
+    response is handed to `post`."""
+    stream = ResponseStream(request, send, decode, timing, post, interval)
     queued = pipeline.submit(pipeline.request(request.prompt_ids, request.options, request.sampling,
                                               on_tokens=stream.on_tokens,
                                               cancelled=lambda: stream.stopped or stop_reason() is not None,
