@@ -148,7 +148,7 @@ def test_onnx_nodes_name_every_signature_output():
 
 def test_a_node_naming_fewer_outputs_than_its_plugin_is_refused_before_tensorrt():
     """What onnx-tensorrt >= 10.6 rejects ("Node has more output tensors than TRT expected")."""
-    node = branch_onnx.make_node(list(branch_onnx.INPUTS), list(branch_onnx.OUTPUTS))
+    node = branch_onnx.make_node(list(branch_onnx.INPUTS), list(branch_onnx.OUTPUTS), branch_onnx.STANDALONE_MAX_BRANCHES)
     del node.output[5:]
     with pytest.raises(ValueError, match="names 5 outputs; the plugin has 8"):
         check_plugin_node(node)

@@ -65,7 +65,7 @@ def test_stripped_model_passes_the_checker_and_keeps_plugin_attributes():
     plugin_nodes = {n.op_type: attributes(n) for n in stripped.graph.node if n.domain == "saguaro"}
     assert plugin_nodes["FusedVerify"] == {"plugin_namespace": b"saguaro", "plugin_version": VERIFY_VERSION.encode()}
     assert plugin_nodes["BranchDraft"] == {"plugin_namespace": b"saguaro", "plugin_version": BRANCH_VERSION.encode(),
-                                           "max_branches": branch_onnx.DEFAULT_MAX_BRANCHES}
+                                           "max_branches": branch_onnx.STANDALONE_MAX_BRANCHES}
     assert len(model.functions) == 3  # the input model is left as it was
 
 

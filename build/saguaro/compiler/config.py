@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from saguaro.runtime.core.contracts import draft_cache_capacity
+from saguaro.runtime.core.contracts import BUILD_DEFAULT_LIMITS, draft_cache_capacity
 from saguaro.runtime.engines.onnxruntime_engine import SessionSettings
 from saguaro.runtime.engines.tensorrt_llm_settings import TensorRTLLMSettings
 
@@ -47,10 +47,10 @@ class BuildConfig:
     draft: Path
     backend: str = "onnxruntime"
     precision: str = "fp32"
-    max_draft_tokens: int = 8     # K: the longest draft a verify graph accepts
-    max_branches: int = 16        # fan-out budget B: branches pre-speculated per round
-    max_context: int = 512        # committed tokens per sequence (prompt + output)
-    max_batch: int = 8            # KV slots per model: sequences decoded at once
+    max_draft_tokens: int = BUILD_DEFAULT_LIMITS.max_draft_tokens  # K: the longest draft a verify graph accepts
+    max_branches: int = BUILD_DEFAULT_LIMITS.max_branches   # fan-out budget B: branches pre-speculated per round
+    max_context: int = BUILD_DEFAULT_LIMITS.max_context     # committed tokens per sequence (prompt + output)
+    max_batch: int = BUILD_DEFAULT_LIMITS.max_batch         # KV slots per model: sequences decoded at once
     opset: int = MIN_OPSET
     session: SessionSettings = SessionSettings()
     tensorrt_llm: TensorRTLLMSettings = TensorRTLLMSettings()

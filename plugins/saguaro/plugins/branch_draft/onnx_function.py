@@ -34,7 +34,7 @@ OUTPUTS = SIGNATURE.output_names
 # What a graph around the node exposes: the plan, with the mask as bool.
 PLAN_OUTPUTS = ("depth", "token", "rank", "positions", "window_mask")
 SIZE_OUTPUTS = tuple(spec.name for spec in SIGNATURE.outputs if spec.size_tensor)
-DEFAULT_MAX_BRANCHES = 64
+STANDALONE_MAX_BRANCHES = 64  # the standalone model's bound; a built graph gets its engines' max_branches
 NODE_ATTRIBUTES = SIGNATURE.node_attributes
 
 GATHER_INPUTS = GATHER_SIGNATURE.input_names
@@ -132,14 +132,13 @@ def function_proto(opset: int = 17) -> onnx.FunctionProto:
                                 [helper.make_opsetid("", opset)], attributes=list(NODE_ATTRIBUTES))
 
 
-def make_node(inputs: list[str], outputs: list[str], name: str | None = None,
-              max_branches: int = DEFAULT_MAX_BRANCHES) -> onnx.NodeProto:
+def make_node(inputs: list[str], outputs: list[str], max_branches: int, name: str | None = None) -> onnx.NodeProto:
     """The custom-domain node, naming all eight outputs; `max_branches` bounds B for
     TensorRT's data-dependent shapes."""
     return SIGNATURE.make_node(inputs, outputs, name, max_branches=max_branches)
 
 
-def plan_nodes(inputs: list[str], outputs: list[str], max_branches: int = DEFAULT_MAX_BRANCHES,
+def plan_nodes(inputs: list[str], outputs: list[str], max_branches: int,
                name: str = SIGNATURE.name) -> list[onnx.NodeProto]:
     """The node and the Cast of its int32 mask: `outputs` names the `PLAN_OUTPUTS`, the mask
     among them bool; the extents get names of their own and stay inside the graph."""
@@ -147,7 +146,7 @@ def plan_nodes(inputs: list[str], outputs: list[str], max_branches: int = DEFAUL
         raise ValueError(f"a branch plan gives {PLAN_OUTPUTS}, got {outputs}")
     *plan, mask = outputs
     node_outputs = [*plan, f"{mask}_int32", *(f"{name}_{extent}" for extent in SIZE_OUTPUTS)]
-    return [make_node(inputs, node_outputs, name, max_branches),
+    return [make_node(inputs, node_outputs, max_branches, name),
             helper.make_node("Cast", [f"{mask}_int32"], [mask], name=f"{name}_mask_to_bool", to=TensorProto.BOOL)]
 
 
@@ -162,7 +161,8 @@ def standalone_model(opset: int = 17) -> onnx.ModelProto:
     inputs = value_infos(SIGNATURE.inputs, STANDALONE_DIMS)
     outputs = [helper.make_tensor_value_info(name, TensorProto.BOOL if name == "window_mask" else TensorProto.INT64,
                                              STANDALONE_DIMS[name]) for name in PLAN_OUTPUTS]
-    graph = helper.make_graph(plan_nodes(list(INPUTS), list(PLAN_OUTPUTS)), SIGNATURE.name, inputs, outputs)
+    graph = helper.make_graph(plan_nodes(list(INPUTS), list(PLAN_OUTPUTS), STANDALONE_MAX_BRANCHES), SIGNATURE.name,
+                              inputs, outputs)
     return helper.make_model(graph, functions=[function_proto(opset)],
                              opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, 1)])
 

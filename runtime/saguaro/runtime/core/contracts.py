@@ -63,6 +63,11 @@ class EngineLimits:
         return cls(build["max_draft_tokens"], build["max_branches"], build["max_context"], build["max_batch"])
 
 
+# What a build is sized for unless its config says otherwise (`compiler.config.BuildConfig`
+# reads these); torch engines, which compile nothing, size their caches from them too.
+BUILD_DEFAULT_LIMITS = EngineLimits(max_draft_tokens=8, max_branches=16, max_context=512, max_batch=8)
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     backend: str

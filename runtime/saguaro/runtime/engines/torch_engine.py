@@ -11,7 +11,16 @@ import torch
 from saguaro.plugins.branch_draft.reference import plan_branches
 from saguaro.plugins.fused_verify.reference import fused_verify
 from saguaro.runtime.models.checkpoint import load_checkpoint, measured_acceptance, tokenizer_fingerprint
-from saguaro.runtime.core.contracts import EngineInfo, EngineLimits, OneSequenceForms, Rows, Step, VerifyResult, VerifyStep
+from saguaro.runtime.core.contracts import (
+    BUILD_DEFAULT_LIMITS,
+    EngineInfo,
+    EngineLimits,
+    OneSequenceForms,
+    Rows,
+    Step,
+    VerifyResult,
+    VerifyStep,
+)
 from saguaro.runtime.engines.batching import pack_steps
 from saguaro.runtime.models.feature_head import is_feature_head, load_feature_head
 from saguaro.runtime.engines.kv_cache import KVPool, PooledCache
@@ -19,9 +28,10 @@ from saguaro.runtime.core.logprobs import verify_result
 
 # What a checkpoint run eagerly is sized for (a compiled engine's come from its build).
 # An eager engine compiles nothing, so it has no built maximum; these bounds only size its
-# caches. Branches: twice a build's default (compiler.config), so fan-outs over any K up to
-# 8 fit without a build.
-DEFAULT_LIMITS = dict(max_draft_tokens=8, max_branches=32, max_batch=8)
+# caches: a build's defaults, with twice its branches, so that fan-outs over any K up to 8
+# fit without a build.
+DEFAULT_LIMITS = dict(max_draft_tokens=BUILD_DEFAULT_LIMITS.max_draft_tokens,
+                      max_branches=2 * BUILD_DEFAULT_LIMITS.max_branches, max_batch=BUILD_DEFAULT_LIMITS.max_batch)
 DEFAULT_MAX_CONTEXT = 4096  # or the model's own, if shorter: it bounds every KV slot (zeroed lazily by the OS)
 
 
