@@ -18,9 +18,7 @@ from saguaro.runtime.engines.manifest import MANIFEST_FILE
 
 def calibration(verify_ms, tree_step_ms, glue_ms=1.0):
     """Figures in ms, as a calibration: the verify by K (K + 1 tokens), the draft by rows."""
-    draft = {b: ms / 1000 for b, ms in tree_step_ms.items()}
-    draft[1] = min(draft.get(1, glue_ms / 1000), glue_ms / 1000)
-    return Calibration(context=64, verify={k + 1: ms / 1000 for k, ms in verify_ms.items()}, draft=draft)
+    return Calibration.from_milliseconds(64, verify_ms, glue_ms, tree_step_ms)
 
 
 def test_hidden_budget_is_the_largest_b_whose_prespeculation_fits_under_the_verify():

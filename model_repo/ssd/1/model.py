@@ -77,13 +77,13 @@ def polled(check, every_s: float):
 
 
 class Outbox:
-    """One thread that builds and sends every response, in order. The scheduler hands each
-    round's tokens over and goes on with the next round: detokenizing, building Triton
-    tensors and passing them to the server process (shared memory and a message per
-    response) then overlap the engines' next forward, which runs without the GIL, instead
-    of adding to every round; a stream whose last send is still waiting here takes the
-    next round's tokens into it (`responses.ResponseStream`). Work posted after a request's final response (ending it in the registry and
-    the metrics) runs after that response is sent, so a drain never outruns it."""
+    """One thread that sends every response, in order. The scheduler hands each round's
+    responses over (every stream interval, `responses.ResponseStream`) and goes on with
+    the next round: building Triton tensors and passing them to the server process
+    (shared memory and a message per response) then overlaps the engines' next forward,
+    which runs without the GIL, instead of adding to every round. Work posted after a
+    request's final response (ending it in the registry and the metrics) runs after that
+    response is sent, so a drain never outruns it."""
 
     def __init__(self):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()

@@ -194,16 +194,9 @@ def with_files(costs: EngineCosts, engine_dir: Path, manifest: dict) -> EngineCo
 def hidden_by_context(target: list[ContextCosts], draft: list[ContextCosts], k: int) -> dict[int, int]:
     """The largest measured B whose pre-speculation hides under the target's verify, at each
     context (the rule of the build's calibration, on these figures)."""
-    return {t.context: measured_calibration(t, d, k).hidden_branches(k, most=max(d.tree_step_ms))
+    return {t.context: Calibration.from_milliseconds(t.context, {k: t.verify_ms}, d.decode_ms, d.tree_step_ms)
+            .hidden_branches(k, most=max(d.tree_step_ms))
             for t, d in zip(target, draft)}
-
-
-def measured_calibration(target: ContextCosts, draft: ContextCosts, k: int) -> Calibration:
-    """These figures as a calibration: the verify of K + 1 tokens, the draft's step of one
-    token and its tree steps of B."""
-    draft_s = {b: ms / 1000 for b, ms in draft.tree_step_ms.items()}
-    draft_s[1] = min(draft_s.get(1, draft.decode_ms / 1000), draft.decode_ms / 1000)
-    return Calibration(target.context, {k + 1: target.verify_ms / 1000}, draft_s)
 
 
 def fitting_contexts(max_context: int, wanted: tuple[int, ...], longest_step: int) -> tuple[int, ...]:

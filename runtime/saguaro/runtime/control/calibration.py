@@ -59,14 +59,22 @@ class Calibration:
                 "hidden_branches": list(self.hidden_by_k(max_k, most))}
 
     @classmethod
+    def from_milliseconds(cls, context: int, verify_ms: dict[int, float], glue_ms: float,
+                          tree_step_ms: dict[int, float], machine: str = "", date: str = "") -> "Calibration":
+        """Figures in ms of a round's forwards: the verify by K (K + 1 tokens), the draft's
+        step of one token (the glue) and its tree steps by B rows."""
+        draft = {b: ms / 1000 for b, ms in tree_step_ms.items()}
+        draft[1] = min(draft.get(1, glue_ms / 1000), glue_ms / 1000)
+        return cls(context, {k + 1: ms / 1000 for k, ms in verify_ms.items()}, draft, machine=machine, date=date)
+
+    @classmethod
     def from_manifest(cls, record: dict) -> "Calibration":
         """The stored record; one from engines built before the curves (milliseconds of the
         verify by K, the glue and the tree step by B) reads as the points it measured."""
         if "verify_s" not in record:
-            draft = {int(b): ms / 1000 for b, ms in record["tree_step_ms"].items()}
-            draft[1] = min(draft.get(1, record["glue_ms"] / 1000), record["glue_ms"] / 1000)
-            return cls(record["context"], {int(k) + 1: ms / 1000 for k, ms in record["verify_ms"].items()}, draft,
-                       machine=record.get("machine", ""), date=record.get("date", ""))
+            return cls.from_milliseconds(record["context"], {int(k): ms for k, ms in record["verify_ms"].items()},
+                                         record["glue_ms"], {int(b): ms for b, ms in record["tree_step_ms"].items()},
+                                         record.get("machine", ""), record.get("date", ""))
 
         def by_size(points):
             return {int(size): seconds for size, seconds in points.items()}

@@ -108,7 +108,7 @@ class EngineInfo:
         engines'."""
         if self.calibration is None or self.limits is None or not 0 <= k <= self.limits.max_draft_tokens:
             return None
-        return self.calibration.hidden_by_k(k, self.limits.max_branches)[k]
+        return self.calibration.hidden_branches(k, self.limits.max_branches) if k else 0
 
 
 class Cache(Protocol):
