@@ -54,7 +54,17 @@ from safetensors.torch import save_file
 from torch import nn
 
 from saguaro.runtime.models.checkpoint import CheckpointError, llama_shape, read_state_dict
-from saguaro.runtime.models.llama import MLP, UNSCORED, LlamaShape, RMSNorm, apply_rope, attend, rope_cos_sin, rope_inverse_frequencies
+from saguaro.runtime.models.llama import (
+    MLP,
+    UNSCORED,
+    LlamaShape,
+    RMSNorm,
+    apply_rope,
+    attend,
+    rope_cos_sin,
+    rope_inverse_frequencies,
+    write_cache,
+)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
@@ -219,9 +229,7 @@ class FeatureHead(nn.Module):
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         q, k, v = self.project_qkv(x, cos, sin)
         keys, values = kv[0, 0], kv[0, 1]
-        for row, (start, count) in enumerate(zip(past.tolist(), counts.tolist())):
-            keys[row, :, start:start + count] = k[row, :, :count]
-            values[row, :, start:start + count] = v[row, :, :count]
+        write_cache(keys, values, k, v, past, counts)
         hidden_out = self.finish_layer(residual, q, keys[:, :, :total], values[:, :, :total], mask)
         return self.logits(hidden_out), hidden_out
 

@@ -170,12 +170,46 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     if groups > 1 and not eager:  # grouped-query attention: each K/V head serves `groups` query heads
         keys = keys.repeat_interleave(groups, dim=1)
         values = values.repeat_interleave(groups, dim=1)
+    if eager and q.dtype != torch.float32:
+        return grouped_attention(q, keys, values, mask)
     mask = mask.unsqueeze(1)
     if q.dtype != torch.float32:
         # ONNX's export of a bool mask adds it as float32, which would run a half-precision
         # attention (and o_proj after it) in float32; an additive mask of q's type does not
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=eager and groups > 1)
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`attend` for half-precision eager calls: CPU's bf16 SDPA kernel runs 7x slower than
+    two grouped matmuls (measured at SmolLM2's shapes, batch 64, one new token). Scores and
+    softmax in float32; a fully masked query gets a uniform mix instead of NaN."""
+    batch, heads, n, dim = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads * n, dim)  # a K/V head's queries together
+    scores = (grouped @ keys.transpose(-1, -2)).float() * dim ** -0.5
+    allowed = mask.unsqueeze(1).expand(batch, heads // kv_heads, n, mask.shape[-1]).reshape(batch, 1, -1,
+                                                                                             mask.shape[-1])
+    weights = scores.masked_fill(~allowed, torch.finfo(torch.float32).min).softmax(-1).to(q.dtype)
+    return (weights @ values).reshape(batch, heads, n, dim)
+
+
+def write_cache(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: torch.Tensor,
+                counts: torch.Tensor) -> None:
+    """Write each row's `counts[row]` new K/V entries at `past[row]` of its cache row
+    (`keys`/`values` `[batch, kv_heads, capacity, head_dim]`, `k`/`v` `[batch, kv_heads, n, head_dim]`).
+    One indexed write when every row brings all n (decoding a batch: a per-row loop of
+    small copies cost a fifth of a 64-row step)."""
+    n = k.shape[2]
+    if bool((counts == n).all()):
+        rows = torch.arange(k.shape[0]).unsqueeze(1)
+        at = past.unsqueeze(1) + torch.arange(n)
+        keys[rows, :, at] = k.transpose(1, 2)
+        values[rows, :, at] = v.transpose(1, 2)
+        return
+    for row, (start, count) in enumerate(zip(past.tolist(), counts.tolist())):
+        keys[row, :, start:start + count] = k[row, :, :count]
+        values[row, :, start:start + count] = v[row, :, :count]
 
 
 class Features:
@@ -300,9 +334,7 @@ class Llama(nn.Module):
             features.take(i, h)
             q, k, v = self._project_qkv(layer, h, cos, sin)
             keys, values = kv[i, 0], kv[i, 1]
-            for row, (start, count) in enumerate(zip(past.tolist(), counts.tolist())):
-                keys[row, :, start:start + count] = k[row, :, :count]
-                values[row, :, start:start + count] = v[row, :, :count]
+            write_cache(keys, values, k, v, past, counts)
             h = self._finish_layer(layer, h, q, keys[:, :, :total], values[:, :, :total], mask)
         features.take(self.shape.num_layers, h)
         return self._logits(h), features.joined()
