@@ -78,8 +78,8 @@ class FeatureDraftSettings:
 PRESETS = {
     # The target answering 1536 prompts x 128 tokens in bf16 batches of 32, then 1800 steps
     # of 4 answers x 3 unrolled steps (three times the steps of the earlier preset: held-out
-    # agreement 0.37 -> 0.43 on the same answers): about 26 minutes on 2 idle cores (12
-    # answering, 13 training; docs/drafts.md).
+    # agreement 0.37 -> 0.43 on the same answers): 26 minutes on 2 idle cores (11
+    # answering, 15 training; docs/drafts.md).
     "full": FeatureDraftSettings(),
     # The quickstart's: under 3 minutes on 2 cores: 192 answers (nine in ten to chat
     # questions) x 96 tokens, 220 steps (250 took 3 min 2 s with agreement 0.283).
