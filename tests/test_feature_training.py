@@ -7,13 +7,12 @@ import json
 import pytest
 import torch
 
+from saguaro.modelmaker.feature_answers import Answer, collect_answers
 from saguaro.modelmaker.feature_draft import (
     PRESETS,
-    Answer,
     acceptance,
     batch_of,
     chain_mask,
-    collect_answers,
     draft_vocabulary,
     encoded_prompts,
     initial_head,

@@ -48,7 +48,7 @@ from saguaro.runtime.models.prompts import chat_messages, encode_chat, encode_te
 
 class Answered(Protocol):
     """A prompt and the target's continuation: a pruned draft's `Sequence`, a feature
-    head's `feature_draft.Answer`."""
+    head's `feature_answers.Answer`."""
 
     ids: list[int]
     start: int

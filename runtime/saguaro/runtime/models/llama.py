@@ -167,11 +167,11 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     # copy of the cache per step, 2-3x faster decoding at SmolLM2's 3 groups; a traced
     # graph repeats them, as ONNX's attention has no grouped form
     eager = isinstance(groups, int) and not (torch.jit.is_tracing() or torch.onnx.is_in_onnx_export())
+    if eager and q.dtype != torch.float32:
+        return grouped_attention(q, keys, values, mask)
     if groups > 1 and not eager:  # grouped-query attention: each K/V head serves `groups` query heads
         keys = keys.repeat_interleave(groups, dim=1)
         values = values.repeat_interleave(groups, dim=1)
-    if eager and q.dtype != torch.float32:
-        return grouped_attention(q, keys, values, mask)
     mask = mask.unsqueeze(1)
     if q.dtype != torch.float32:
         # ONNX's export of a bool mask adds it as float32, which would run a half-precision
@@ -186,10 +186,9 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     softmax in float32; a fully masked query gets a uniform mix instead of NaN."""
     batch, heads, n, dim = q.shape
     kv_heads = keys.shape[1]
-    grouped = q.reshape(batch, kv_heads, heads // kv_heads * n, dim)  # a K/V head's queries together
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads * n, dim)  # row g * n + j: group g's query j
     scores = (grouped @ keys.transpose(-1, -2)).float() * dim ** -0.5
-    allowed = mask.unsqueeze(1).expand(batch, heads // kv_heads, n, mask.shape[-1]).reshape(batch, 1, -1,
-                                                                                             mask.shape[-1])
+    allowed = mask.repeat(1, heads // kv_heads, 1).unsqueeze(1)      # the same rows of the mask
     weights = scores.masked_fill(~allowed, torch.finfo(torch.float32).min).softmax(-1).to(q.dtype)
     return (weights @ values).reshape(batch, heads, n, dim)
 
