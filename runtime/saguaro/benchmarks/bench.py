@@ -8,7 +8,8 @@ reported as figures and ratios, never asserted (machines are noisy).
     python scripts/bench.py --engines engines/smollm2 --chat    # a chat model: questions as chat turns
 
 Default: the engine-level costs at one context (target decode, verify of K+1 tokens,
-draft decode, tree steps), then each mode over the same prompts, every one generating
+draft decode, tree steps), then every mode over the same prompts, interleaved prompt by
+prompt so that the machine's busy spells fall on all of them, every one generating
 exactly --max-tokens tokens: decode tokens/s (prefill apart), speed-up over
 autoregressive, drafts verified per round (K/rnd), acceptance, cache hit rate, the split of time between verifying,
 drafting on the critical path and waiting; with checkpoints (or --assisted on engines
@@ -93,16 +94,42 @@ def write_json(path: Path | None, figures: dict) -> None:
 
 # -- the default run: the modes side by side -----------------------------------------------
 
+STAT_KEYS = ("tokens", "total_s", "prefill_s", "verify_s", "draft_s", "wait_s", "rounds", "cache_hits",
+             "cache_misses", "drafted_tokens", "probe_rounds", "hit_drafted", "hit_accepted")
+
+
 def run_mode(pipeline, prompts, options, sampling) -> dict:
     """`prompts`: token ids of each prompt; totals over them."""
-    keys = ("tokens", "total_s", "prefill_s", "verify_s", "draft_s", "wait_s", "rounds", "cache_hits", "cache_misses",
-            "drafted_tokens", "probe_rounds", "hit_drafted", "hit_accepted")
-    totals = dict.fromkeys(keys, 0) | {"accepted": 0.0}
+    totals = new_totals()
     for prompt in prompts:
-        stats = pipeline.generate(prompt, options, sampling).stats
-        for key in keys:
-            totals[key] += getattr(stats, key)
-        totals["accepted"] += stats.mean_accepted * stats.rounds
+        add_generation(totals, pipeline.generate(prompt, options, sampling).stats)
+    return finished(totals)
+
+
+def run_interleaved(pipeline, prompts, modes: list[tuple[str, DecodeOptions]], sampling) -> dict[str, dict]:
+    """Every mode on each prompt before the next prompt, the order turned by one each
+    prompt: a busy spell of a shared machine slows every mode alike instead of whichever
+    mode it lands on (run one mode after another, autoregressive moved by 10% between
+    runs, more than the policy's margin)."""
+    totals = {name: new_totals() for name, _ in modes}
+    for index, prompt in enumerate(prompts):
+        turn = index % len(modes)
+        for name, options in modes[turn:] + modes[:turn]:
+            add_generation(totals[name], pipeline.generate(prompt, options, sampling).stats)
+    return {name: finished(totals[name]) for name, _ in modes}
+
+
+def new_totals() -> dict:
+    return dict.fromkeys(STAT_KEYS, 0) | {"accepted": 0.0}
+
+
+def add_generation(totals: dict, stats) -> None:
+    for key in STAT_KEYS:
+        totals[key] += getattr(stats, key)
+    totals["accepted"] += stats.mean_accepted * stats.rounds
+
+
+def finished(totals: dict) -> dict:
     totals["decode_tokens_per_s"] = totals["tokens"] / (totals["total_s"] - totals["prefill_s"])
     return totals
 
@@ -181,18 +208,16 @@ def run_modes(args) -> dict:
     sampling = SamplingParams(temperature=args.temperature, seed=0)
     encode = pipeline.encode_chat if args.chat else pipeline.encode
     prompts = [encode(text) for text in (CHAT_PROMPTS if args.chat else PROMPTS)[: args.prompts]]
-    print(f"{len(prompts)} prompts x {args.max_tokens} tokens; tok/s counts decoding, prefill is per prompt")
+    print(f"{len(prompts)} prompts x {args.max_tokens} tokens, the modes interleaved prompt by prompt; "
+          "tok/s counts decoding, prefill is per prompt")
     print(f"{'mode':24s} {'tok/s':>7s} {'vs AR':>6s} {'prefill ms':>10s} {'K/rnd':>5s} {'acc/rnd':>7s} {'hit%':>5s} "
           f"{'pre/fresh':>9s} {'verify s':>8s} {'draft s':>8s} {'wait s':>7s}")
-    baseline = None
-    for name, options in mode_options(args, k, branch_options):
-        totals = run_mode(pipeline, prompts, options, sampling)
-        baseline = baseline or totals["decode_tokens_per_s"]
+    figures["modes"] = run_interleaved(pipeline, prompts, mode_options(args, k, branch_options), sampling)
+    baseline = figures["modes"]["autoregressive"]["decode_tokens_per_s"]
+    for name, totals in figures["modes"].items():
         print(mode_row(name, totals, baseline, len(prompts)))
-        figures["modes"][name] = totals
     checkpoints = checkpoints_for_assisted(args)
     if checkpoints is not None and args.temperature == 0:
-        assert baseline is not None  # mode_options gives every run its modes
         for name, timing in transformers_timings(*checkpoints, prompts, args.max_tokens).items():
             print(transformers_row(name, timing, baseline, len(prompts)))
             figures["modes"][name] = {"tokens": timing.tokens, "total_s": timing.total_s,
