@@ -139,8 +139,8 @@ def test_the_worker_metrics_count_rounds_drafts_and_requests():
     metrics = WorkerMetrics("tiny")
     metrics.started()
     metrics.observe_round([SimpleNamespace(verified=3), SimpleNamespace(verified=2)], queued=1)
-    metrics.finished("stop", 7, {"rounds": 3, "accepted_histogram": [1, 0, 2], "cache_hits": 2, "cache_misses": 1,
-                                 "tokens_per_s": 50.0})
+    metrics.finished("stop", 7, {"rounds": 3, "accepted_histogram": [1, 0, 2], "drafted_tokens": 5, "cache_hits": 2,
+                                 "cache_misses": 1, "tokens_per_s": 50.0})
     metrics.refused("rejected")
     text = metrics.exposition()
     assert metric(text, "ssd_generated_tokens_total", model="tiny") == 7

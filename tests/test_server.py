@@ -428,12 +428,14 @@ def test_metrics_endpoint_reports_the_ssd_figures(server, client):
     complete(client, ensemble_inputs(PROMPTS[2], 24, True, end_id=-1))
     text = metrics(server)
     for name in ("ssd_generated_tokens_total", "ssd_rounds_total", "ssd_accepted_draft_tokens_total",
-                 "ssd_cache_hits_total", "ssd_cache_misses_total"):
+                 "ssd_verified_draft_tokens_total", "ssd_cache_hits_total", "ssd_cache_misses_total"):
         assert f"# TYPE {name} counter" in text
     assert metric(text, "ssd_generated_tokens_total") >= 24 and metric(text, "ssd_rounds_total") >= 1
     assert metric(text, "ssd_cache_hits_total") + metric(text, "ssd_cache_misses_total") >= 1
     assert metric(text, "ssd_request_tokens_per_second_count") >= 1
-    assert metric(text, "ssd_batch_size_count") >= 1 and metric(text, "ssd_draft_tokens_count") >= 1
+    assert metric(text, "ssd_batch_size_count") >= 1
+    drafted, accepted = metric(text, "ssd_verified_draft_tokens_total"), metric(text, "ssd_accepted_draft_tokens_total")
+    assert drafted > 0 and drafted >= accepted  # counted when each request ends
     assert metric(text, "nv_inference_request_success", model="ensemble") >= 1  # Triton's own
 
 

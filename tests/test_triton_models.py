@@ -350,8 +350,8 @@ def test_metric_updates_from_many_threads_never_overlap(ssd_module, monkeypatch)
     monkeypatch.setattr(fake_triton.Metric, "overlaps", 0)
     metrics = ssd_module.SsdMetrics("ssd", "1")
     outcome = SimpleNamespace(output_ids=[1, 2, 3], finish_reason="length",
-                              stats={"rounds": 2, "accepted_histogram": [0, 1, 1], "cache_hits": 1,
-                                     "cache_misses": 1, "tokens_per_s": 50.0})
+                              stats={"rounds": 2, "accepted_histogram": [0, 1, 1], "drafted_tokens": 4,
+                                     "cache_hits": 1, "cache_misses": 1, "tokens_per_s": 50.0})
 
     def worker():
         for _ in range(5):
@@ -367,6 +367,8 @@ def test_metric_updates_from_many_threads_never_overlap(ssd_module, monkeypatch)
         thread.join()
     assert fake_triton.Metric.overlaps == 0
     assert metrics.counters["generated_tokens"].value == 8 * 5 * 3
+    assert metrics.counters["verified_draft_tokens"].value == 8 * 5 * 4
+    assert metrics.counters["accepted_draft_tokens"].value == 8 * 5 * 3
     assert metrics.by_reason["length"].value == 40 and metrics.in_flight.value == 0
 
 

@@ -37,7 +37,7 @@ from saguaro.serving.client import complete, ensemble_inputs, tensor
 from saguaro.serving.launch import Ports, serve
 from saguaro.serving.launch import parse_args as serve_args
 from saguaro.serving.model_repo import values_from_args
-from saguaro.serving.served_metrics import histogram_mean, scrape
+from saguaro.serving.served_metrics import growth_ratio, histogram_mean, scrape
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
 
@@ -153,7 +153,8 @@ def run_level(url: str, metrics_port: int, mode: Mode, concurrency: int, request
     name = mode.name if path == PATHS[0] else f"{mode.name} ({path})"
     return Level(name, concurrency, len(results), tokens, seconds, tokens / seconds,
                  percentile(itl, 0.5), percentile(itl, 0.99), percentile(ttft, 0.5), percentile(ttft, 0.99),
-                 histogram_mean(before, after, "ssd_batch_size"), histogram_mean(before, after, "ssd_draft_tokens"),
+                 histogram_mean(before, after, "ssd_batch_size"),
+                 growth_ratio(before, after, "ssd_verified_draft_tokens_total", "ssd_rounds_total"),
                  {name: round(1000 * seconds / max(tokens, 1), 4) for name, seconds in cpu.items()})
 
 

@@ -1,9 +1,10 @@
 """The SSD figures of one Dynamo worker as Prometheus metrics, served by Dynamo itself.
 
 The same families as the Triton `ssd` model's custom metrics (`ssd_generated_tokens_total`,
-`ssd_cache_hits_total`, ...), so one dashboard reads either server, plus the drafts each
-round verified, which makes the acceptance rate a ratio of two counters:
-`rate(ssd_accepted_draft_tokens_total) / rate(ssd_verified_draft_tokens_total)`. They live
+`ssd_cache_hits_total`, ...), so one dashboard reads either server. The acceptance rate
+and K per round are ratios of counters: `rate(ssd_accepted_draft_tokens_total) /
+rate(ssd_verified_draft_tokens_total)`, `rate(ssd_verified_draft_tokens_total) /
+rate(ssd_rounds_total)`. They live
 in a `prometheus_client` registry of their own; the worker hands its exposition text to
 Dynamo's runtime (`endpoint.metrics.register_prometheus_expfmt_callback`), which appends
 it to the worker's `/metrics` next to Dynamo's `dynamo_component_*` families.
@@ -17,11 +18,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # Tokens per second of one request; a tiny model on CPU reaches the thousands.
 TOKENS_PER_S_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-DRAFT_TOKENS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 COUNTERS = {  # name (without _total) -> help; summed over finished requests
     "ssd_generated_tokens": "Tokens generated",
     "ssd_rounds": "Decoding rounds (one target verification each)",
     "ssd_accepted_draft_tokens": "Draft tokens the target accepted",
+    "ssd_verified_draft_tokens": "Draft tokens the target verified",
     "ssd_cache_hits": "Rounds whose outcome was pre-speculated (SSD cache hits)",
     "ssd_cache_misses": "Rounds whose outcome was not pre-speculated",
 }
@@ -31,6 +32,7 @@ def generation_figures(output_tokens: int, stats: dict) -> dict[str, int]:
     """A finished generation's contribution to each counter."""
     return {"ssd_generated_tokens": output_tokens, "ssd_rounds": stats["rounds"],
             "ssd_accepted_draft_tokens": sum(a * n for a, n in enumerate(stats["accepted_histogram"])),
+            "ssd_verified_draft_tokens": stats["drafted_tokens"],
             "ssd_cache_hits": stats["cache_hits"], "ssd_cache_misses": stats["cache_misses"]}
 
 
@@ -42,8 +44,6 @@ class WorkerMetrics:
         labels = ["model"]
         self.counters = {name: Counter(name, help_text, labels, registry=self.registry).labels(model)
                          for name, help_text in COUNTERS.items()}
-        self.verified = Counter("ssd_verified_draft_tokens", "Draft tokens the target verified", labels,
-                                registry=self.registry).labels(model)
         self.requests = Counter("ssd_requests", "Requests by finish reason", labels + ["finish_reason"],
                                 registry=self.registry)
         self.in_flight = Gauge("ssd_requests_in_flight", "Generations running or waiting for a KV slot", labels,
@@ -54,8 +54,6 @@ class WorkerMetrics:
                                       labels, buckets=TOKENS_PER_S_BUCKETS, registry=self.registry).labels(model)
         self.batch_size = Histogram("ssd_batch_size", "Requests in each decoding round", labels,
                                     buckets=BATCH_SIZE_BUCKETS, registry=self.registry).labels(model)
-        self.draft_tokens = Histogram("ssd_draft_tokens", "Draft tokens (K) each request verifies in a round",
-                                      labels, buckets=DRAFT_TOKENS_BUCKETS, registry=self.registry).labels(model)
         self.model = model
         self.lock = threading.Lock()
 
@@ -64,12 +62,9 @@ class WorkerMetrics:
             self.in_flight.inc()
 
     def observe_round(self, batch, queued: int) -> None:
-        """The scheduler's round observer: batch size, each request's K, the queue."""
+        """The scheduler's round observer: the requests in the round, the queue."""
         with self.lock:
             self.batch_size.observe(len(batch))
-            for sequence in batch:
-                self.draft_tokens.observe(sequence.verified)
-                self.verified.inc(sequence.verified)
             self.queued.set(queued)
 
     def finished(self, finish_reason: str, output_tokens: int, stats: dict) -> None:

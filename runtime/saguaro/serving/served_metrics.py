@@ -20,8 +20,13 @@ def metric(text: str, name: str, **labels) -> float:
     return 0.0
 
 
+def growth_ratio(before: str, after: str, numerator: str, denominator: str) -> float:
+    """How much `numerator` grew between two scrapes over how much `denominator` did (0 if
+    it did not): e.g. K per round from the verified-drafts and rounds counters."""
+    grown = metric(after, denominator) - metric(before, denominator)
+    return (metric(after, numerator) - metric(before, numerator)) / grown if grown else 0.0
+
+
 def histogram_mean(before: str, after: str, name: str) -> float:
     """Mean of the observations a histogram took between two scrapes (0 if none)."""
-    count = metric(after, f"{name}_count") - metric(before, f"{name}_count")
-    total = metric(after, f"{name}_sum") - metric(before, f"{name}_sum")
-    return total / count if count else 0.0
+    return growth_ratio(before, after, f"{name}_sum", f"{name}_count")
