@@ -122,7 +122,7 @@ class OnnxRuntimeEngine(OneSequenceForms):
         assert info.limits is not None  # a compiled engine's, from its manifest's build
         self.sessions, self.info, self.tokenizer, self.limits = sessions, info, tokenizer, info.limits
         self._open_alone, self._alone_session = open_alone, None  # the wide session, opened at first use
-        self._running = threading.local()  # .alone: this thread's forwards use the wide session
+        self._running = threading.local()  # .alone: this thread's forwards use the wide session; .bindings
         self.layers, self.vocab_size = shape["num_layers"], shape["vocab_size"]
         self.pool = KVPool(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
                            self.limits.max_batch, slot_capacity)
@@ -168,19 +168,13 @@ class OnnxRuntimeEngine(OneSequenceForms):
     def _run_model(self, packed: PackedBatch, extra: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
         # the wide session is open whenever `alone` is set (`run_alone` opens it first)
         session: ort.InferenceSession = self._alone_session if getattr(self._running, "alone", False) else self.sessions["model"]
-        binding = session.io_binding()
+        binding = self._binding(session, packed.first_slot, packed.batch)
         inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
                   "seqlens_k": packed.seqlens_k, "query_seqlens": packed.query_seqlens,
                   "total_sequence_length": np.array(packed.total_sequence_length, np.int32),
                   "attention_mask": packed.attention_mask, **extra}
         for name, array in inputs.items():
             bind_array(binding, name, array)
-        rows = slice(packed.first_slot, packed.first_slot + packed.batch)
-        for layer in range(self.layers):
-            for index, kind in enumerate(("key", "value")):
-                view = self.pool.buffer[layer, index, rows]  # past and present: one memory
-                bind_array(binding, f"past_{kind}.{layer}", view)
-                bind_array(binding, f"present_{kind}.{layer}", view, output=True)
         logits = np.empty((packed.batch, packed.input_ids.shape[1], self.vocab_size), np.float32)
         bind_array(binding, "logits", logits, output=True)
         hidden = None
@@ -189,6 +183,26 @@ class OnnxRuntimeEngine(OneSequenceForms):
             bind_array(binding, self.hidden_output, hidden, output=True)
         session.run_with_iobinding(binding)
         return logits, hidden
+
+    def _binding(self, session: ort.InferenceSession, first_slot: int, batch: int) -> ort.IOBinding:
+        """The session's binding for these KV slots, its caches bound once: past and present
+        are the same rows of the pool, whatever the step, so only the step's inputs and
+        outputs are bound per forward (binding 4 per layer every forward had cost a fifth
+        of the forward's host time on the tiny pair, 120 bindings a step on a 30-layer
+        model). One set per thread, as a binding is not for two forwards at once."""
+        bindings = getattr(self._running, "bindings", None)
+        if bindings is None:
+            bindings = self._running.bindings = {}
+        key = (id(session), first_slot, batch)
+        if key not in bindings:
+            bindings[key] = binding = session.io_binding()
+            rows = slice(first_slot, first_slot + batch)
+            for layer in range(self.layers):
+                for index, kind in enumerate(("key", "value")):
+                    view = self.pool.buffer[layer, index, rows]  # past and present: one memory
+                    bind_array(binding, f"past_{kind}.{layer}", view)
+                    bind_array(binding, f"present_{kind}.{layer}", view, output=True)
+        return bindings[key]
 
     def verify_batch(self, steps: Sequence[VerifyStep]) -> list[VerifyResult]:
         """One batched forward over every round's `[last, d_1..d_K]`, then the FusedVerify
@@ -208,6 +222,11 @@ class OnnxRuntimeEngine(OneSequenceForms):
 
     def _fused_verify(self, logits: torch.Tensor, hidden: torch.Tensor | None, item: VerifyStep) -> VerifyResult:
         k, sampling = len(item.draft_tokens), item.sampling
+        if k == 0 and sampling.greedy:
+            # Nothing to verify: the token is the argmax, the first maximum as the graph's
+            # greedy branch takes it, without a session run per sequence (at 16 streams of
+            # autoregressive decoding those had cost a sixth of the round).
+            return verify_result(0, int(np.argmax(logits[0].numpy())), logits, item, hidden)
         probs = self._no_draft_probs[:k] if item.draft_probs is None else item.draft_probs.float().numpy()
         feeds = {"target_logits": logits.numpy(), "draft_tokens": item.draft_tokens.numpy().astype(np.int64),
                  "draft_probs": np.ascontiguousarray(probs), "uniforms": item.uniforms.float().numpy(),
