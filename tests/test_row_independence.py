@@ -155,3 +155,26 @@ def in_company_torch(engine, width: int, company: bool) -> torch.Tensor:
     for cache in caches:
         cache.release()
     return logits
+
+
+def test_a_greedy_round_without_drafts_takes_the_token_the_fused_verify_graph_takes(target):
+    """K = 0, greedy: the engine takes the argmax itself; the graph's greedy branch would
+    give the same token, ties included (the first maximum)."""
+    from saguaro.runtime.core.contracts import VerifyStep
+    from saguaro.runtime.core.sampling import SamplingParams
+
+    generator = torch.Generator().manual_seed(0)
+    for case in range(6):
+        logits = torch.randn(1, 64, generator=generator)
+        if case % 2:
+            logits[0, 10] = logits[0, 50] = logits.max() + 1  # a tie: the first one wins
+        item = VerifyStep(Step(None, torch.tensor([3]), torch.tensor([0])), torch.zeros(0, dtype=torch.long), None,
+                          torch.full((1,), 0.5), SamplingParams(temperature=0.0))
+        feeds = {"target_logits": logits.numpy(), "draft_tokens": np.zeros(0, np.int64),
+                 "draft_probs": np.zeros((0, 64), np.float32), "uniforms": np.full(1, 0.5, np.float32),
+                 "temperature": np.array(0.0, np.float32), "top_k": np.array(0, np.int64),
+                 "top_p": np.array(1.0, np.float32)}
+        accepted, bonus = target.sessions["fused_verify"].run(None, feeds)
+        outcome = target._fused_verify(logits, None, item)
+        assert (outcome.accepted, outcome.bonus) == (int(accepted), int(bonus))
+        assert case % 2 == 0 or outcome.bonus == 10
