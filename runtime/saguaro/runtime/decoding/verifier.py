@@ -28,7 +28,7 @@ class Verifier:
         (`logprobs`: the target's log-probabilities of the committed tokens too)."""
         start = len(ids) - 1
         drafts = draft.tokens[:num_tokens]
-        tokens = torch.cat((torch.tensor([ids[-1]]), drafts))
+        tokens = torch.tensor([ids[-1], *drafts.tolist()])  # one small tensor: a cat costs twice as much
         positions = torch.arange(start, start + num_tokens + 1)
         uniforms = verification_uniforms(self.sampling, positions[1:], first_new=len(ids))
         probs = None if draft.probs is None else draft.probs[:num_tokens]
