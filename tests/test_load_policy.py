@@ -216,6 +216,28 @@ def test_speculation_that_does_not_pay_turns_off_probes_every_period_and_comes_b
     assert back < PROBE_PERIOD and better[-1].draft_tokens == 4 and not better[-1].probe
 
 
+def test_no_probe_while_drafting_could_not_pay_at_this_load_and_one_as_soon_as_it_could():
+    """A compute-bound target at 16 requests: even drafts accepted as often as the optimistic
+    prior would not pay, so a request due to probe does not (a probe's draft step and
+    catch-up were pure loss there); alone in the batch, the same request probes at once."""
+    policy = policy_with(measured(0.0001, 0.001), measured(0.0008, 0.0005), acceptance=0.0)
+    due = [FakeSequence(plan=Plan(0, quiet=PROBE_PERIOD - 1)) for _ in range(16)]
+    crowded = policy.choose(due)
+    assert all(not plan.draft_tokens and not plan.probe for plan in crowded)
+    assert all(plan.quiet == PROBE_PERIOD for plan in crowded)  # still due: counted on
+    weight_bound = policy_with(measured(0.005, 0.00002), measured(0.0002, 0.00001), acceptance=0.0)
+    alone = weight_bound.choose([FakeSequence(plan=Plan(0, quiet=PROBE_PERIOD))])[0]
+    assert alone.probe and alone.draft_tokens == PROBE_DRAFTS
+
+
+def test_a_catch_up_beside_a_verification_takes_what_one_draft_forward_does_in_its_time():
+    verify = measured(0.004, 0.0004)                # verify(16) = 10.4 ms
+    policy = policy_with(verify, measured(0.0005, 0.0001), acceptance=0.5)  # a row costs 0.1 ms
+    share = policy.catch_up_share(16, 16)
+    assert 16 * share <= 99 and 16 * (share + 1) > 95  # (10.4 - 0.5) / 0.1 rows in all
+    assert policy_with(verify, measured(0.02, 0.001), acceptance=0.5).catch_up_share(16, 16) == 1  # at least one
+
+
 def replace_quiet(plan: Plan, quiet: int) -> Plan:
     return Plan(plan.draft_tokens, plan.prespeculate, plan.branches, quiet, plan.probe)
 

@@ -167,3 +167,21 @@ def test_a_released_slot_is_reused_and_the_pool_says_when_it_is_full(draft_engin
     del caches  # released when garbage-collected, too
     again = draft_engine.new_cache(32)
     assert again.slot == 0 or again.slot == freed
+
+
+def test_a_bounded_catch_up_feeds_the_oldest_missing_tokens_and_a_later_one_the_rest(draft_engine):
+    ids = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7]
+    speculator = Speculator(draft_engine, SamplingParams(), None, capacity=128)
+    lockstep(draft_engine, [speculator.catch_up(ids[:3])])
+    assert speculator.lag(ids) == 7
+    lockstep(draft_engine, [speculator.catch_up(ids, 4)])
+    assert speculator.cached == ids[:7] and speculator.lag(ids) == 3
+    lockstep(draft_engine, [speculator.catch_up(ids)])
+    assert speculator.cached == ids and speculator.lag(ids) == 0
+    whole = Speculator(draft_engine, SamplingParams(), None, capacity=128)
+    lockstep(draft_engine, [whole.catch_up(ids)])
+    # fed in three pieces or at once, the next draft is the same
+    assert torch.equal(lockstep(draft_engine, [speculator.draft(ids, 3)])[0].tokens,
+                       lockstep(draft_engine, [whole.draft(ids, 3)])[0].tokens)
+    speculator.release()
+    whole.release()

@@ -61,7 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from saguaro.runtime.control.calibration import measure_calibration
-from saguaro.runtime.control.costs import CostCurve, LinearCost, hidden_branches
+from saguaro.runtime.control.costs import MOST_BRANCHES, CostCurve, LinearCost, hidden_branches
 
 SHARED_FADING = 0.995             # of the acceptance counts shared by all requests (per round with drafts)
 PRIOR_WEIGHT = 8.0                # pseudo-rounds of the shared estimate in a request's own
@@ -255,23 +255,41 @@ class LoadPolicy:
         branches = self._branch_rows(candidates, ks)
         plans = [Plan(k, c.prespeculating, branches if c.steered and c.prespeculating and k else None)
                  for c, k in zip(candidates, ks)]
-        return [self._probed(plan, sequence, candidate) for plan, sequence, candidate in zip(plans, batch, candidates)]
+        return [self._probed(plan, sequence, candidates, ks, index)
+                for index, (plan, sequence) in enumerate(zip(plans, batch))]
 
-    @staticmethod
-    def _probed(plan: Plan, sequence, candidate: "_Candidate") -> Plan:
+    def _probed(self, plan: Plan, sequence, candidates: list["_Candidate"], ks: list[int], index: int) -> Plan:
         """With speculation off (K = 0 chosen for a request that may draft), the plan of a
         probe every `PROBE_PERIOD` rounds: `PROBE_DRAFTS` drafts, not pre-speculated, so
         that the request's acceptance is measured again and speculation comes back once it
         pays. A probe whose drafts were all accepted is followed by another, so that a draft
         that got better is measured in a few rounds rather than a few periods; one that
-        keeps being rejected costs a draft step and a slightly wider verify per period."""
+        keeps being rejected costs a draft step and a slightly wider verify per period. A
+        probe is skipped while drafting could not pay at this load whatever it measured
+        (`_could_pay`), and made as soon as it could."""
+        candidate = candidates[index]
         if plan.draft_tokens or not (candidate.adapts and candidate.most):
             return plan
         verified, accepted = sequence.acceptance.last
         confirmed = sequence.plan.probe and verified and accepted == verified
-        if confirmed or sequence.plan.quiet + 1 >= PROBE_PERIOD:
+        due = confirmed or sequence.plan.quiet + 1 >= PROBE_PERIOD
+        if due and self._could_pay(candidates, ks, index):
             return Plan(min(PROBE_DRAFTS, candidate.most), prespeculate=False, probe=True)
         return replace(plan, quiet=sequence.plan.quiet + 1)
+
+    def _could_pay(self, candidates: list["_Candidate"], ks: list[int], index: int) -> bool:
+        """Whether some K > 0 of request `index`, with a draft as good as the optimistic
+        prior (`UNSEEN_ACCEPTANCE` at every depth) and no pre-speculation, would beat the
+        batch's chosen rate. If not, no acceptance a probe could measure would turn
+        speculation back on, and its cost is saved: in a full batch on a compute-bound
+        target, probes (a draft step, the draft's cache caught up on every token it missed,
+        a wider verify) had cost the load policy a fifth of batched autoregressive speed."""
+        candidate = candidates[index]
+        hopeful = replace(candidate, prespeculating=False, hit=0.0,
+                          reach=[UNSEEN_ACCEPTANCE ** depth for depth in range(candidate.most + 1)])
+        trial = candidates[:index] + [hopeful] + candidates[index + 1:]
+        chosen = self._rate(candidates, ks)
+        return any(self._rate(trial, ks[:index] + [k] + ks[index + 1:]) > chosen for k in range(1, candidate.most + 1))
 
     @staticmethod
     def _speculation_choices(candidates) -> list[bool]:
@@ -341,6 +359,16 @@ class LoadPolicy:
             return not other
         faster = self.alone_cost(tokens) <= self.verify_cost(tokens)
         return faster != other
+
+    def catch_up_share(self, tokens: int, requests: int) -> int:
+        """Tokens each of `requests` lagging draft caches may catch up on while a
+        verification of `tokens` runs beside it: what one draft forward takes in that time
+        (at least one each), so that the target does not wait for it. Unbounded, the draft
+        of 16 sequences that had drafted nothing for 32 rounds took longer than the
+        verification, and the load policy fell a fifth behind autoregressive decoding."""
+        if not (self.verify_cost.known and self.tree_cost.known):
+            return MOST_BRANCHES
+        return max(1, hidden_branches(self.verify_cost(tokens), self.tree_cost, 1, requests))
 
     def _rate(self, candidates, ks) -> float:
         tokens = sum(c.expected_tokens(k) for c, k in zip(candidates, ks))

@@ -292,8 +292,9 @@ class Decoder:
         # core: sequences that draft nothing bring their draft caches up to date meanwhile,
         # so that a probe, or speculation coming back, has only the newest tokens to feed
         lagging = [] if alone or speculating else [s for s in batch if s.draft_lags]
-        catching = lagging and self.worker.submit(lockstep, self.draft, [s.drafter.catch_up(s.out.ids)
-                                                                      for s in lagging])
+        share = lagging and self.load_policy.catch_up_share(tokens, len(lagging))
+        catching = share and self.worker.submit(lockstep, self.draft, [s.drafter.catch_up(s.out.ids, share)
+                                                                    for s in lagging])
         with stopwatch() as verifying, self.target.run_alone() if alone else nullcontext():
             outcomes = self.target.verify_batch(steps)
         with stopwatch() as waiting:

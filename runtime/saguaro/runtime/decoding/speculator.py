@@ -134,11 +134,13 @@ class Speculator:
         """Committed tokens the cache lacks (at most K + 1 after an ordinary round)."""
         return len(ids) - len(self.cached)
 
-    def catch_up(self, ids: list[int]) -> Forwards[None]:
-        """Feed the committed tokens the cache lacks, so that the next draft has only the
-        newest to feed (a sequence that drafted nothing for a while)."""
-        if self.lag(ids) > 0:
-            yield from self._sync(ids)
+    def catch_up(self, ids: list[int], most: int | None = None) -> Forwards[None]:
+        """Feed the committed tokens the cache lacks (the oldest `most` of them when given),
+        so that the next draft has only the newest to feed (a sequence that drafted nothing
+        for a while)."""
+        lag = self.lag(ids)
+        if lag > 0:
+            yield from self._sync(ids if most is None or most >= lag else ids[:len(ids) - lag + most])
 
     def draft(self, ids: list[int], k: int) -> Forwards[Draft]:
         """Ordinary drafting: k tokens from `ids`, one forward each (the last not fed); a
