@@ -86,7 +86,9 @@ class CancelWatch:
 
     def run(self) -> None:
         while not self.stopped.wait(CANCEL_POLL_S):
-            for key in list(self.open):
+            with self.lock:
+                keys = list(self.open)
+            for key in keys:  # one at a time: a closing response waits for one question at most
                 with self.lock:
                     request, lives = self.open.get(key, (None, ()))
                     if request is not None and request.is_cancelled():
