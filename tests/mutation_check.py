@@ -65,8 +65,8 @@ MUTATIONS = [
              "runtime/saguaro/runtime/core/sampling.py", "DRAFT_STREAM, ACCEPT_STREAM, BONUS_STREAM = 1, 2, 3",
              "DRAFT_STREAM, ACCEPT_STREAM, BONUS_STREAM = 1, 1, 3"),
     Mutation("verify-without-last-token", "verify feeds d_1 where the last committed token belongs "
-             "(logits shifted by one)", VERIFIER, "tokens = torch.cat((torch.tensor([ids[-1]]), drafts))",
-             "tokens = torch.cat((drafts[:1] if len(drafts) else torch.tensor([ids[-1]]), drafts))"),
+             "(logits shifted by one)", VERIFIER, "tokens = torch.tensor([ids[-1], *drafts.tolist()])",
+             "tokens = torch.tensor([*(drafts[:1].tolist() or [ids[-1]]), *drafts.tolist()])"),
     Mutation("off-by-one-truncate", "the target's cache rolled back one entry too far",
              VERIFIER, "self.cache.truncate(len(ids) + outcome.accepted)",
              "self.cache.truncate(len(ids) + outcome.accepted - 1)"),
