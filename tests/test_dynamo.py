@@ -224,9 +224,11 @@ def test_a_killed_worker_loses_no_request_and_a_restarted_one_rejoins(cluster, r
 
 
 def test_sigterm_drains_a_worker_while_the_other_takes_new_requests(cluster, runtime):
-    """Runs after the tests above: it stops one of the two workers for good."""
-    stopping = cluster.live_workers()[0]
+    """Runs after the tests above: it stops one of the two workers for good, one that has
+    requests in flight (after the restart above, the round-robin may have put both of them
+    on the same worker)."""
     in_flight = InFlight(cluster, 2)
+    stopping = max(cluster.live_workers(), key=lambda worker: worker.counter("ssd_requests_in_flight"))
     stopping.service.terminate()
     newcomers = stream_completions(cluster.url, [QUESTION] * 3, 8)
     results = in_flight.wait()
