@@ -40,12 +40,6 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Tokens per second of one request; a tiny model on CPU reaches the thousands.
 TOKENS_PER_S_BUCKETS = [1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000]
 BATCH_SIZE_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
-# Asking Triton whether a direct request is cancelled is a round trip to the server
-# process (0.5-1 ms, measured): one thread asks for every open request every 50 ms, off
-# the scheduler's thread, where asking every 10 ms per request had taken a sixth of the
-# rounds' time at 16 streams. (Requests through the ensemble hear of it through the
-# postprocessing relay instead.)
-CANCEL_POLL_S = 0.05
 
 
 def load_pipeline(parameters: dict):
@@ -62,42 +56,6 @@ def send_error(sender, message: str, code) -> None:
         sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
     except Exception as failure:  # noqa: BLE001 - e.g. the final response already went out
         pb_utils.Logger.log_error(f"could not report '{message}': {failure}")
-
-
-class CancelWatch:
-    """One thread that asks Triton, every `CANCEL_POLL_S`, whether each open request was
-    cancelled, and stops its generations. A request is asked only while it is open: its
-    closing response takes it off (`forget`, under the same lock as the asking), since
-    asking about a request Triton has released would touch freed memory."""
-
-    def __init__(self):
-        self.open: dict[int, tuple] = {}  # id(replies) -> (request, lives)
-        self.lock, self.stopped = threading.Lock(), threading.Event()
-        self.thread = threading.Thread(target=self.run, name="ssd-cancel-watch", daemon=True)
-        self.thread.start()
-
-    def watch(self, replies, request, lives) -> None:
-        with self.lock:
-            self.open[id(replies)] = (request, lives)
-
-    def forget(self, replies) -> None:
-        with self.lock:
-            self.open.pop(id(replies), None)
-
-    def run(self) -> None:
-        while not self.stopped.wait(CANCEL_POLL_S):
-            with self.lock:
-                keys = list(self.open)
-            for key in keys:  # one at a time: a closing response waits for one question at most
-                with self.lock:
-                    request, lives = self.open.get(key, (None, ()))
-                    if request is not None and request.is_cancelled():
-                        for live in lives:
-                            live.stop(lifecycle.CANCELLED)
-
-    def close(self) -> None:
-        self.stopped.set()
-        self.thread.join()
 
 
 class Outbox:
@@ -137,7 +95,7 @@ class Replies:
     non-decoupled model answers each request exactly once: everything but the final
     response is left out."""
 
-    def __init__(self, request, sender, items: int, decoupled: bool, outbox: Outbox, watch: CancelWatch):
+    def __init__(self, request, sender, items: int, decoupled: bool, outbox: Outbox, watch: lifecycle.CancelWatch):
         self.sender, self.outbox, self.watch = sender, outbox, watch
         self.wanted = set(request.requested_output_names())
         self.open, self.decoupled, self.lock = items, decoupled, threading.Lock()
@@ -267,7 +225,7 @@ class TritonPythonModel:
         self.batch = 1  # requests in the last round: how often a stream's tokens are sent
         self.generations = lifecycle.Generations()
         self.outbox = Outbox()
-        self.cancel_watch = CancelWatch()
+        self.cancel_watch = lifecycle.CancelWatch()
         self.pipeline.observe_rounds(self.observe_round)
         self.control_token = os.environ.get(lifecycle.CONTROL_TOKEN_ENV)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
