@@ -26,3 +26,7 @@ def test_the_load_benchmark_measures_every_mode_at_every_concurrency(tiny_engine
         assert level["mean_batch"] <= level["concurrency"]
     assert all(level["mean_k"] == 0 for level in levels if level["mode"] == "batched AR")
     assert "targets (measured ratios):" in printed and "batched SSD policy" in printed
+    measured = [(line[:22].strip(), int(line[22:27])) for line in printed.splitlines()
+                if line.startswith("batched") and line[22:27].strip().isdigit()]
+    # measured level by level, the modes in turn, the order turned at the next level
+    assert measured[:4] == [("batched AR", 1), ("batched SSD policy", 1), ("batched SSD policy", 3), ("batched AR", 3)]

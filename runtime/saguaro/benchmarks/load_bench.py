@@ -8,7 +8,8 @@ Two servers over the same engines, one after the other: the iteration-level sche
 (batched autoregressive, batched speculative with K fixed, batched SSD with the load
 policy), then the baseline it replaces, every request decoded alone in a thread of its
 own (`--batching per-request`). At each concurrency C, C clients each keep one streaming
-request in flight until the level's requests are done. Per mode and C: total output
+request in flight until the level's requests are done; a server's modes take turns level
+by level, so that a ratio compares figures measured minutes apart at most. Per mode and C: total output
 tokens/s, per-request inter-token latency and time to first token (p50/p99), and, from
 the server's metrics, the mean batch size and mean K per round. A sampled check
 (temperature 0.8, C = 1) follows. Figures are printed (and written as JSON and a PNG
@@ -150,12 +151,15 @@ def run_level(url: str, metrics_port: int, mode: Mode, concurrency: int, request
     tokens = sum(t for t, _, _ in results)
     ttft = [1000 * f for _, f, _ in results]
     itl = [1000 * i for _, _, i in results]
-    name = mode.name if path == PATHS[0] else f"{mode.name} ({path})"
-    return Level(name, concurrency, len(results), tokens, seconds, tokens / seconds,
+    return Level(level_name(mode, path), concurrency, len(results), tokens, seconds, tokens / seconds,
                  percentile(itl, 0.5), percentile(itl, 0.99), percentile(ttft, 0.5), percentile(ttft, 0.99),
                  histogram_mean(before, after, "ssd_batch_size"),
                  growth_ratio(before, after, "ssd_verified_draft_tokens_total", "ssd_rounds_total"),
                  {name: round(1000 * seconds / max(tokens, 1), 4) for name, seconds in cpu.items()})
+
+
+def level_name(mode: Mode, path: str) -> str:
+    return mode.name if path == PATHS[0] else f"{mode.name} ({path})"
 
 
 def serve_for(engines: Path, batching: str, run_dir: Path, max_concurrency: int | None):
@@ -177,22 +181,33 @@ HEADER = (f"{'mode':22s} {'C':>4s} {'tok/s':>9s} {'ITL p50':>8s} {'ITL p99':>8s}
 
 
 def run_modes(args, modes: list[Mode], extra: dict, concurrency: tuple[int, ...], label: str) -> list[Level]:
-    levels = []
+    """Every mode at every concurrency, the modes of one server interleaved level by level;
+    the levels come back by mode, then concurrency."""
+    levels: list[Level] = []
+    names = [level_name(mode, path) for mode in modes for path in args.paths]
     for batching in dict.fromkeys(mode.batching for mode in modes):
         with tempfile.TemporaryDirectory(prefix="saguaro-load-") as run_dir:
             print(f"[{label}] starting a server (batching {batching}) ...", flush=True)
             with serve_for(args.engines, batching, Path(run_dir), args.max_concurrency) as server:
                 url = f"127.0.0.1:{server.ports.grpc}"
                 processes = server_processes(server.process.pid)
-                for mode in [m for m in modes if m.batching == batching]:
-                    for path in args.paths:
-                        run_level(url, server.ports.metrics, mode, 1, 2, args.max_tokens, extra, path)  # warm-up
-                        for c in concurrency:
-                            level = run_level(url, server.ports.metrics, mode, c, max(args.min_requests, 2 * c),
-                                              args.max_tokens, extra, path, processes)
-                            print_level(level)
-                            levels.append(level)
-    return levels
+                served = [(mode, path) for mode in modes if mode.batching == batching for path in args.paths]
+                for mode, path in served:
+                    run_level(url, server.ports.metrics, mode, 1, 2, args.max_tokens, extra, path)  # warm-up
+                for index, c in enumerate(concurrency):
+                    for mode, path in interleaved(served, index):
+                        level = run_level(url, server.ports.metrics, mode, c, max(args.min_requests, 2 * c),
+                                          args.max_tokens, extra, path, processes)
+                        print_level(level)
+                        levels.append(level)
+    return sorted(levels, key=lambda level: (names.index(level.mode), level.concurrency))
+
+
+def interleaved(served: list, index: int) -> list:
+    """The modes of one concurrency level, in turn, the order turned at every other level:
+    a busy spell of the shared machine then slows the modes a ratio compares alike, where
+    running each mode's whole sweep in turn had autoregressive and SSD minutes apart."""
+    return served if index % 2 == 0 else served[::-1]
 
 
 def print_cpu(levels: list[Level]) -> None:
