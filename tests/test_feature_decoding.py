@@ -10,6 +10,7 @@ from checkpoints import random_head
 from saguaro.runtime.core.contracts import Rows
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
+from saguaro.runtime.decoding.speculator import DraftFeatures
 from saguaro.runtime.engines.torch_engine import TorchEngine, TorchFeatureDraft
 from saguaro.runtime.pipeline import Pipeline
 
@@ -111,3 +112,36 @@ def test_rounds_after_a_hit_count_as_prespeculated_and_split_the_acceptance(tiny
     fresh_drafted = stats.drafted_tokens - stats.hit_drafted
     total = stats.prespeculated_acceptance * stats.hit_drafted + stats.fresh_acceptance * fresh_drafted
     assert total == pytest.approx(stats.accepted_tokens)
+
+
+class CountingProjection:
+    """An engine's `project` (a fixed linear map), counting its calls."""
+
+    hidden_size = 4
+
+    def __init__(self):
+        self.weight, self.calls = torch.randn(6, self.hidden_size, generator=torch.Generator().manual_seed(0)), 0
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return features @ self.weight
+
+
+def test_features_are_projected_when_a_draft_needs_them_in_one_call():
+    """Rounds that draft nothing only keep the target's features; the next draft projects
+    all it lacks at once, and reads what projecting each round's on arrival would give,
+    a rolled-back tail replaced."""
+    engine, rows = CountingProjection(), torch.randn(9, 6, generator=torch.Generator().manual_seed(1))
+    features = DraftFeatures(engine)
+    features.observe(0, rows[:5])       # a prompt
+    for position in range(5, 8):        # three rounds with nothing drafted
+        features.observe(position, rows[position:position + 1])
+    features.observe(7, rows[8:9])      # position 7 again: a rollback replaced it
+    assert engine.calls == 0
+    expected = torch.cat([rows[:7], rows[8:9]]) @ engine.weight
+    fed = features.before(1, 8)         # tokens at 1..8: the features of 0..7
+    assert engine.calls == 1
+    torch.testing.assert_close(fed, expected)
+    features.observe(3, rows[:2])       # a rollback into what was projected
+    torch.testing.assert_close(features.before(0, 5)[1:], torch.cat([expected[:3], rows[:1] @ engine.weight]))
+    assert engine.calls == 2
