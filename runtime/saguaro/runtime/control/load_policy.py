@@ -33,7 +33,8 @@ what autoregressive decoding costs on both cores, and when acceptance and costs 
 pays, every request that may draft gets K = 0. Its acceptance is then measured by a
 probe: one round in `PROBE_PERIOD` drafts `PROBE_DRAFTS` token(s), not pre-speculated (a
 draft step on the critical path and a verify one token wider, amortised over the
-period); a probe whose drafts were all accepted is followed by another, so that a draft
+period, which doubles with each probe in a row that accepted nothing, up to 2^`PROBE_BACKOFF`
+periods); a probe whose drafts were all accepted is followed by another, so that a draft
 that got better is seen within a few rounds, and speculation comes back as soon as the
 estimate says it pays. Rounds that verify no drafts fade no counts, so the estimate stays
 what the last drafts showed rather than drifting back to the optimistic prior.
@@ -70,6 +71,7 @@ PRIOR_WEIGHT = 8.0                # pseudo-rounds of the shared estimate in a re
 UNSEEN_ACCEPTANCE, UNSEEN_HIT_RATE = 0.8, 0.5
 PROBE_PERIOD = 32   # rounds: with speculation off, a request drafts in one round of this many ...
 PROBE_DRAFTS = 1    # ... this many drafts, not pre-speculated, so that its acceptance stays measured
+PROBE_BACKOFF = 3   # the period doubles with each probe in a row whose drafts were all rejected, up to 2^this
 
 
 @dataclass
@@ -134,6 +136,7 @@ class Plan:
     branches: int | None = None  # None: as many as the request's fan-out places
     quiet: int = 0               # rounds in a row, this one included, that the policy had it draft nothing
     probe: bool = False          # drafts only so that acceptance is measured (speculation is off)
+    rejected_probes: int = 0     # probes in a row, since speculation was last on, that accepted nothing
 
 
 @dataclass
@@ -260,22 +263,24 @@ class LoadPolicy:
 
     def _probed(self, plan: Plan, sequence, candidates: list["_Candidate"], ks: list[int], index: int) -> Plan:
         """With speculation off (K = 0 chosen for a request that may draft), the plan of a
-        probe every `PROBE_PERIOD` rounds: `PROBE_DRAFTS` drafts, not pre-speculated, so
+        probe every `probe_period` rounds: `PROBE_DRAFTS` drafts, not pre-speculated, so
         that the request's acceptance is measured again and speculation comes back once it
         pays. A probe whose drafts were all accepted is followed by another, so that a draft
-        that got better is measured in a few rounds rather than a few periods; one that
-        keeps being rejected costs a draft step and a slightly wider verify per period. A
+        that got better is measured in a few rounds rather than a few periods; each probe in
+        a row that accepted nothing doubles the period (up to `PROBE_BACKOFF` times). A
         probe is skipped while drafting could not pay at this load whatever it measured
         (`_could_pay`), and made as soon as it could."""
         candidate = candidates[index]
         if plan.draft_tokens or not (candidate.adapts and candidate.most):
             return plan
-        verified, accepted = sequence.acceptance.last
-        confirmed = sequence.plan.probe and verified and accepted == verified
-        due = confirmed or sequence.plan.quiet + 1 >= PROBE_PERIOD
+        last, (verified, accepted) = sequence.plan, sequence.acceptance.last
+        probed = last.probe and verified
+        confirmed = probed and accepted == verified
+        rejected = last.rejected_probes + 1 if probed and not accepted else 0 if probed else last.rejected_probes
+        due = confirmed or last.quiet + 1 >= probe_period(rejected)
         if due and self._could_pay(candidates, ks, index):
-            return Plan(min(PROBE_DRAFTS, candidate.most), prespeculate=False, probe=True)
-        return replace(plan, quiet=sequence.plan.quiet + 1)
+            return Plan(min(PROBE_DRAFTS, candidate.most), prespeculate=False, probe=True, rejected_probes=rejected)
+        return replace(plan, quiet=last.quiet + 1, rejected_probes=rejected)
 
     def _could_pay(self, candidates: list["_Candidate"], ks: list[int], index: int) -> bool:
         """Whether some K > 0 of request `index`, with a draft as good as the optimistic
@@ -403,6 +408,14 @@ class LoadPolicy:
             return 0
         verify = self.verify_cost(sum(k + 1 for k in ks))
         return max(1, hidden_branches(verify, self.tree_cost, steps=max(speculating) + 1, requests=len(speculating)))
+
+
+def probe_period(rejected_probes: int) -> int:
+    """Rounds between probes after `rejected_probes` probes in a row accepted nothing: a
+    draft that keeps failing is asked less often (each probe's draft step, its cache's
+    catch-up and a wider verify had cost the policy a tenth of autoregressive speed at 2-4
+    streams through the server), and one accepted draft brings the period back."""
+    return PROBE_PERIOD << min(rejected_probes, PROBE_BACKOFF)
 
 
 def most_drafts(sequence) -> int:
