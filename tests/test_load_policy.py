@@ -9,7 +9,15 @@ import torch
 
 from saguaro.runtime.cli import policy_summary
 from saguaro.runtime.control.costs import CostCurve, LinearCost
-from saguaro.runtime.control.load_policy import PROBE_DRAFTS, PROBE_PERIOD, Acceptance, LoadPolicy, Plan, probe_period
+from saguaro.runtime.control.load_policy import (
+    PROBE_DRAFTS,
+    PROBE_PERIOD,
+    REPLAN_ROUNDS,
+    Acceptance,
+    LoadPolicy,
+    Plan,
+    probe_period,
+)
 from saguaro.runtime.core.contracts import Rows, Step
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
@@ -491,3 +499,35 @@ def test_measured_acceptance_is_read_from_a_draft_report(tmp_path):
     assert measured_acceptance(tmp_path) == ()  # no report
     (tmp_path / DRAFT_REPORT).write_text('{"acceptance": {"accepted_histogram": [0.8, 0.2, 0.0]}}')
     assert measured_acceptance(tmp_path) == pytest.approx((0.2, 0.0))
+
+
+def test_a_batchs_choice_holds_for_a_few_rounds_and_is_made_again_when_the_batch_changes():
+    """Weighing every K is done once per REPLAN_ROUNDS rounds of the same batch; a batch
+    that changed, or a round whose drafts were all rejected, is weighed at once."""
+    policy = policy_with(measured(0.004, 0.0003), measured(0.0003, 0.00002), acceptance=0.8)
+    weighed = []
+    best = policy._best
+    policy._best = lambda candidates, speculating: weighed.append(1) or best(candidates, speculating)
+    batch = [FakeSequence(), FakeSequence()]
+
+    def rounds(count: int, accepted: int = 2) -> list[list[int]]:
+        chosen = []
+        for _ in range(count):
+            plans = policy.choose(batch)
+            for sequence, plan in zip(batch, plans):
+                sequence.plan = plan
+                policy.record_round(sequence.acceptance, True, plan.draft_tokens, min(accepted, plan.draft_tokens))
+            chosen.append([plan.draft_tokens for plan in plans])
+        return chosen
+
+    assert rounds(REPLAN_ROUNDS) == [[4, 4]] * REPLAN_ROUNDS and len(weighed) == 1
+    rounds(1)
+    assert len(weighed) == 2  # the choice had run its rounds
+    batch[1:] = [FakeSequence()]
+    rounds(1)
+    assert len(weighed) == 3  # a new request in the batch
+    rounds(1, accepted=0)
+    rounds(1)
+    assert len(weighed) == 4  # all its drafts rejected: weighed again the round after
+    batch[0].room = 3
+    assert rounds(1)[0][0] == 2  # a kept K is cut to what the request may still draft

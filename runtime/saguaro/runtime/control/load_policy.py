@@ -72,6 +72,10 @@ UNSEEN_ACCEPTANCE, UNSEEN_HIT_RATE = 0.8, 0.5
 PROBE_PERIOD = 32   # rounds: with speculation off, a request drafts in one round of this many ...
 PROBE_DRAFTS = 1    # ... this many drafts, not pre-speculated, so that its acceptance stays measured
 PROBE_BACKOFF = 3   # the period doubles with each probe in a row whose drafts were all rejected, up to 2^this
+# Rounds a batch keeps its chosen K while it stays the same batch: choosing weighs every K
+# for every request (about 0.15 ms of Python a round at one request, which on the tiny
+# engines was a tenth of a round), and the estimates it weighs move by a few percent a round.
+REPLAN_ROUNDS = 8
 
 
 @dataclass
@@ -177,6 +181,7 @@ class LoadPolicy:
         self.alone_cost = CostCurve()  # verify(N) with nothing of the draft's beside it (`run_alone`)
         self.alone = alone
         self._unspeculated_rounds = 0  # rounds asked `runs_alone`
+        self._kept: _KeptChoice | None = None  # the last choice, while its batch runs on
         # host work per round, apart for rounds that draft (proposals, features, commits) and
         # rounds that do not: on a small target it is a large share of a round, and K > 0
         # must pay for its own
@@ -252,9 +257,7 @@ class LoadPolicy:
         `steered`, `acceptance`, `greedy`, `prespeculating`, `room` and last `plan`)."""
         if not any(sequence.adapts or sequence.steered for sequence in batch):
             return [Plan(most_drafts(s), s.prespeculating) for s in batch]  # as each asked
-        candidates = [self._candidate(sequence) for sequence in batch]
-        choices = [self._best(candidates, speculating) for speculating in self._speculation_choices(candidates)]
-        candidates, ks = max(choices, key=lambda choice: self._rate(*choice))
+        candidates, ks = self._chosen(batch, [self._candidate(sequence) for sequence in batch])
         branches = self._branch_rows(candidates, ks)
         plans = [Plan(k, c.prespeculating, branches if c.steered and c.prespeculating and k else None)
                  for c, k in zip(candidates, ks)]
@@ -302,9 +305,28 @@ class LoadPolicy:
         save more drafting than it costs in waiting."""
         return [True, False] if any(c.steered and c.prespeculating for c in candidates) else [True]
 
+    def _chosen(self, batch, candidates: list["_Candidate"]) -> tuple[list["_Candidate"], list[int]]:
+        """The K of every request and whether pre-speculation runs: chosen afresh when the
+        batch changed, after a probe (its outcome may turn speculation back on), after a
+        round in which some request's drafts were all rejected (it may turn speculation
+        off) and every `REPLAN_ROUNDS` rounds; in between the last choice holds, each K
+        within what its request may draft this round."""
+        kept = self._kept
+        if (kept is not None and kept.rounds_left > 0 and len(kept.batch) == len(batch)
+                and all(a is b for a, b in zip(kept.batch, batch))
+                and not any(s.plan.probe or (s.acceptance.last[0] and not s.acceptance.last[1]) for s in batch)):
+            kept.rounds_left -= 1
+            candidates = candidates if kept.speculating else without_prespeculation(candidates)
+            return candidates, [min(k, c.most) if c.adapts else c.most for k, c in zip(kept.ks, candidates)]
+        choices = [(speculating, *self._best(candidates, speculating))
+                   for speculating in self._speculation_choices(candidates)]
+        speculating, candidates, ks = max(choices, key=lambda choice: self._rate(choice[1], choice[2]))
+        self._kept = _KeptChoice(list(batch), speculating, ks, REPLAN_ROUNDS - 1)
+        return candidates, ks
+
     def _best(self, candidates, speculating: bool):
         if not speculating:
-            candidates = [replace(c, prespeculating=False, hit=0.0) if c.steered else c for c in candidates]
+            candidates = without_prespeculation(candidates)
         ks = self._refined(candidates, self._best_shared_k(candidates))
         return candidates, ks
 
@@ -418,6 +440,11 @@ def probe_period(rejected_probes: int) -> int:
     return PROBE_PERIOD << min(rejected_probes, PROBE_BACKOFF)
 
 
+def without_prespeculation(candidates: list["_Candidate"]) -> list["_Candidate"]:
+    """The candidates with the pre-speculation the policy steers turned off."""
+    return [replace(c, prespeculating=False, hit=0.0) if c.steered else c for c in candidates]
+
+
 def most_drafts(sequence) -> int:
     """The most drafts a sequence may verify this round: its K, less near the end of its output."""
     return max(min(sequence.k, sequence.room - 1), 0)
@@ -434,3 +461,11 @@ class _Candidate:
 
     def expected_tokens(self, k: int) -> float:
         return sum(self.reach[:k + 1])
+
+
+@dataclass
+class _KeptChoice:
+    batch: list          # the sequences it was chosen for, in order
+    speculating: bool    # pre-speculation chosen on
+    ks: list[int]
+    rounds_left: int     # rounds it still holds while the batch stays the same
