@@ -277,9 +277,8 @@ class LoadPolicy:
         if plan.draft_tokens or not (candidate.adapts and candidate.most):
             return plan
         last, (verified, accepted) = sequence.plan, sequence.acceptance.last
-        probed = last.probe and verified
-        confirmed = probed and accepted == verified
-        rejected = last.rejected_probes + 1 if probed and not accepted else 0 if probed else last.rejected_probes
+        confirmed = last.probe and verified and accepted == verified
+        rejected = rejected_probes(last, verified, accepted)
         due = confirmed or last.quiet + 1 >= probe_period(rejected)
         if due and self._could_pay(candidates, ks, index):
             return Plan(min(PROBE_DRAFTS, candidate.most), prespeculate=False, probe=True, rejected_probes=rejected)
@@ -312,9 +311,7 @@ class LoadPolicy:
         off) and every `REPLAN_ROUNDS` rounds; in between the last choice holds, each K
         within what its request may draft this round."""
         kept = self._kept
-        if (kept is not None and kept.rounds_left > 0 and len(kept.batch) == len(batch)
-                and all(a is b for a, b in zip(kept.batch, batch))
-                and not any(s.plan.probe or (s.acceptance.last[0] and not s.acceptance.last[1]) for s in batch)):
+        if kept is not None and kept.holds_for(batch):
             kept.rounds_left -= 1
             candidates = candidates if kept.speculating else without_prespeculation(candidates)
             return candidates, [min(k, c.most) if c.adapts else c.most for k, c in zip(kept.ks, candidates)]
@@ -432,12 +429,20 @@ class LoadPolicy:
         return max(1, hidden_branches(verify, self.tree_cost, steps=max(speculating) + 1, requests=len(speculating)))
 
 
-def probe_period(rejected_probes: int) -> int:
-    """Rounds between probes after `rejected_probes` probes in a row accepted nothing: a
+def rejected_probes(last: Plan, verified: int, accepted: int) -> int:
+    """Probes in a row that accepted nothing, after the round of plan `last` verified
+    `verified` drafts and accepted `accepted`."""
+    if not (last.probe and verified):
+        return last.rejected_probes
+    return 0 if accepted else last.rejected_probes + 1
+
+
+def probe_period(rejected: int) -> int:
+    """Rounds between probes after `rejected` probes in a row accepted nothing: a
     draft that keeps failing is asked less often (each probe's draft step, its cache's
     catch-up and a wider verify had cost the policy a tenth of autoregressive speed at 2-4
     streams through the server), and one accepted draft brings the period back."""
-    return PROBE_PERIOD << min(rejected_probes, PROBE_BACKOFF)
+    return PROBE_PERIOD << min(rejected, PROBE_BACKOFF)
 
 
 def without_prespeculation(candidates: list["_Candidate"]) -> list["_Candidate"]:
@@ -469,3 +474,16 @@ class _KeptChoice:
     speculating: bool    # pre-speculation chosen on
     ks: list[int]
     rounds_left: int     # rounds it still holds while the batch stays the same
+
+    def holds_for(self, batch) -> bool:
+        """The same sequences, rounds left, and nothing in the last round that may change
+        the choice: a probe, or a request whose drafts were all rejected."""
+        return (self.rounds_left > 0 and len(self.batch) == len(batch)
+                and all(kept is sequence for kept, sequence in zip(self.batch, batch))
+                and not any(s.plan.probe or all_rejected(s.acceptance.last) for s in batch))
+
+
+def all_rejected(last_round: tuple[int, int]) -> bool:
+    """A round's (verified, accepted): drafts verified and none accepted."""
+    verified, accepted = last_round
+    return bool(verified) and not accepted
