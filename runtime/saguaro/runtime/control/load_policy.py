@@ -314,7 +314,7 @@ class LoadPolicy:
         if kept is not None and kept.holds_for(batch):
             kept.rounds_left -= 1
             candidates = candidates if kept.speculating else without_prespeculation(candidates)
-            return candidates, [min(k, c.most) if c.adapts else c.most for k, c in zip(kept.ks, candidates)]
+            return candidates, [c.fitted(k) for k, c in zip(kept.ks, candidates)]
         choices = [(speculating, *self._best(candidates, speculating))
                    for speculating in self._speculation_choices(candidates)]
         speculating, candidates, ks = max(choices, key=lambda choice: self._rate(choice[1], choice[2]))
@@ -400,7 +400,7 @@ class LoadPolicy:
 
     def _best_shared_k(self, candidates) -> list[int]:
         deepest = max((c.most for c in candidates), default=0)
-        options = [[min(k, c.most) if c.adapts else c.most for c in candidates] for k in range(deepest + 1)]
+        options = [[c.fitted(k) for c in candidates] for k in range(deepest + 1)]
         return max(options, key=lambda ks: self._rate(candidates, ks))
 
     def _refined(self, candidates, ks) -> list[int]:
@@ -466,6 +466,10 @@ class _Candidate:
 
     def expected_tokens(self, k: int) -> float:
         return sum(self.reach[:k + 1])
+
+    def fitted(self, k: int) -> int:
+        """`k` within what it may draft this round; a pinned K stays its own."""
+        return min(k, self.most) if self.adapts else self.most
 
 
 @dataclass
