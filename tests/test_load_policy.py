@@ -35,6 +35,7 @@ class FakeSequence:  # what the policy reads of a `decoding.Sequence`
     greedy: bool = True
     prespeculating: bool = False
     room: int = 100
+    draft_lag: int = 0
     acceptance: Acceptance = field(default_factory=Acceptance)
     plan: Plan = field(default_factory=lambda: Plan(4))  # the last round's
 
@@ -59,8 +60,28 @@ def test_the_cost_curve_interpolates_and_follows_what_it_measures():
     assert cost(3) == pytest.approx(0.00425) and cost(0) == 0.0
     assert cost(128) == pytest.approx(0.020 + 64 * (0.0155 / 59))  # the last segment, extended
     for _ in range(400):
-        cost.observe(4, 0.006)  # the machine got slower around 4 tokens
-    assert cost(4) == pytest.approx(0.006, rel=0.02) and cost(64) == pytest.approx(0.020)
+        cost.observe(4, 0.006)  # rounds of 4 tokens ran slower than calibrated
+    assert cost(4) == pytest.approx(0.006, rel=0.02) and cost.factor(5) > 1.2
+    # a size no measurement came near keeps its calibrated shape at the nearest measured level
+    assert cost(64) == pytest.approx(0.020 * cost.factor(5)) and cost.points == {1: 0.004, 5: 0.0045, 64: 0.020}
+    for _ in range(400):
+        cost.observe(64, 0.020)  # measured as calibrated there: as calibrated there
+    assert cost(64) == pytest.approx(0.020, rel=0.02) and cost(4) == pytest.approx(0.006, rel=0.02)
+
+
+def test_a_verify_measured_slower_than_calibrated_prices_wider_ones_dearer_too():
+    """Rounds of 16 sequences verify a third slower than the one-sequence calibration
+    (their attention reads 16 caches); at K = 0 only verify(16) is measured. Priced at
+    calibration, the wider verify of K = 1 looked cheap and won (324 tok/s against 314);
+    with the level measured at 16 it costs a third more too, and K stays 0."""
+    calibration = {1: 0.015, 16: 0.033, 32: 0.0587, 48: 0.082}
+    policy = policy_with(CostCurve(calibration), CostCurve({1: 0.0022, 16: 0.005, 32: 0.0095}), acceptance=0.45)
+    policy.alone_cost = CostCurve(calibration)
+    policy.observe_host(16, 0.008)
+    for _ in range(300):
+        policy.observe_verify(16, 0.043, alone=True)
+    assert policy.alone_cost(32) == pytest.approx(0.0587 * 0.043 / 0.033, rel=0.01)
+    assert [plan.draft_tokens for plan in policy.choose([FakeSequence() for _ in range(16)])] == [0] * 16
 
 
 def test_calibration_gives_a_curve_its_shape_even_after_autoregressive_rounds_measured_it(tiny_pair):
@@ -111,6 +132,16 @@ def test_a_request_whose_drafts_are_rejected_drafts_less():
         poor.acceptance.record(4, 0)  # its own rounds: the first draft always rejected
     good, bad = policy.choose([FakeSequence(), FakeSequence(), poor])[1:]
     assert bad.draft_tokens < good.draft_tokens
+
+
+def test_a_draft_that_must_first_feed_a_long_lag_drafts_only_where_the_rounds_left_repay_it():
+    """A draft cache that lacks 300 committed tokens (a prompt it never fed, a long stretch
+    at K = 0) feeds them before its first draft step, on the round's critical path: paid
+    once, so it is weighed against the rounds the request has left."""
+    policy = policy_with(measured(0.004, 0.0004), measured(0.0003, 0.0002), acceptance=0.6)
+    assert policy.choose([FakeSequence()])[0].draft_tokens > 0
+    assert policy.choose([FakeSequence(draft_lag=300, room=4000)])[0].draft_tokens > 0
+    assert policy.choose([FakeSequence(draft_lag=300, room=8)])[0].draft_tokens == 0
 
 
 def test_a_pinned_request_keeps_its_k_and_the_end_of_the_output_bounds_it():
@@ -237,6 +268,17 @@ def test_no_probe_while_drafting_could_not_pay_at_this_load_and_one_as_soon_as_i
     weight_bound = policy_with(measured(0.005, 0.00002), measured(0.0002, 0.00001), acceptance=0.0)
     alone = weight_bound.choose([FakeSequence(plan=Plan(0, quiet=PROBE_PERIOD))])[0]
     assert alone.probe and alone.draft_tokens == PROBE_DRAFTS
+
+
+def test_no_catch_up_while_nothing_could_draft_at_this_load():
+    """The draft caches of requests at K = 0 catch up beside a verification only while some
+    K could pay: at a load where none could, a catch-up would serve no draft."""
+    crowded = policy_with(measured(0.0001, 0.001), measured(0.0008, 0.0005), acceptance=0.0)
+    crowded.choose([FakeSequence() for _ in range(16)])
+    assert crowded.catch_up_share(16, 16) == 0
+    weight_bound = policy_with(measured(0.005, 0.00002), measured(0.0002, 0.00001), acceptance=0.0)
+    assert [plan.draft_tokens for plan in weight_bound.choose([FakeSequence()])] == [0]  # off, for now
+    assert weight_bound.catch_up_share(1, 1) >= 1
 
 
 def test_a_catch_up_beside_a_verification_takes_what_one_draft_forward_does_in_its_time():

@@ -114,16 +114,22 @@ def hidden_branches(budget_s: float, step_cost, steps: int, requests: int = 1, m
 
 
 class CostCurve:
-    """Seconds of one forward by its size (tokens or rows): measured at a ladder of sizes
-    (the calibration) and interpolated between them, since a CPU forward is flat while
-    the weights' reading dominates and linear once compute does. Each measurement while
-    serving moves the two sizes around it toward what it saw, each by its share of the
-    interpolation, so the curve follows the machine (a busy neighbour, a batch of many
-    short sequences costing more than one long one) without forgetting its shape. A
-    forward never costs less for more tokens: predictions follow the rising envelope."""
+    """Seconds of one forward by its size (tokens or rows): its shape measured at a ladder
+    of sizes (the calibration) and interpolated between them, since a CPU forward is flat
+    while the weights' reading dominates and linear once compute does; its level following
+    the measured rounds. Each measurement while serving moves the factor (measured over
+    calibrated) of the two sizes around it toward what it saw, each by its share of the
+    interpolation; a size no measurement came near takes the factor of the nearest one
+    that did. The calibration times one sequence; served rounds are batches of many, whose
+    attention reads every sequence's cache: at 16 sequences SmolLM2's verifications ran a
+    third above the calibration at both 16 and 32 tokens. Had only the size measured moved
+    (16, at K = 0), a wider verify (32, at K = 1) would have kept the one-sequence price
+    and looked cheap, and the load policy drafted where drafting lost. A forward never
+    costs less for more tokens: predictions follow the rising envelope."""
 
     def __init__(self, points: Mapping[int, float] | Mapping[float, float] | None = None):
-        self.points = dict(sorted((points or {}).items()))
+        self.points = dict(sorted((points or {}).items()))  # the shape
+        self.factors: dict[float, float] = {}  # measured over the shape, at points measurements moved
         self._rising: list[tuple[float, float]] | None = None  # the envelope, until a point moves
 
     @property
@@ -148,11 +154,18 @@ class CostCurve:
             return
         correction = seconds / predicted
         for point, share in self._shares(size):
-            self.points[point] *= correction ** (FOLLOWING * share)
-        self._rising = None
+            self.factors[point] = self.factor(point) * correction ** (FOLLOWING * share)
+        self.factors = dict(sorted(self.factors.items()))
+
+    def factor(self, size: float) -> float:
+        """Measured over calibrated near `size`: interpolated between the points
+        measurements moved, the nearest one's beyond them, 1 before any measurement."""
+        if not self.factors:
+            return 1.0
+        return interpolated(list(self.factors.items()), size, extend=False)
 
     def _shares(self, size: float) -> list[tuple[float, float]]:
-        """The measured sizes around `size` and their interpolation weights."""
+        """The calibrated sizes around `size` and their interpolation weights."""
         sizes = list(self.points)
         if size <= sizes[0]:
             return [(sizes[0], 1.0)]
@@ -167,7 +180,7 @@ class CostCurve:
         if self._rising is None:
             self._rising, highest = [], 0.0
             for size, seconds in self.points.items():
-                highest = max(highest, seconds)
+                highest = max(highest, seconds * self.factor(size))
                 self._rising.append((size, highest))
         return self._rising
 
@@ -177,11 +190,19 @@ class CostCurve:
         curve = self._envelope()
         if len(curve) == 1:
             return curve[0][1] * max(size / curve[0][0], 1.0)
-        if size <= curve[0][0]:
-            return curve[0][1]
-        segment = next((i for i, (s, _) in enumerate(curve) if s >= size), len(curve) - 1)
-        (low, low_s), (high, high_s) = curve[segment - 1], curve[segment]
-        return low_s + (high_s - low_s) / (high - low) * (size - low)
+        return interpolated(curve, size, extend=True)
+
+
+def interpolated(points: list[tuple[float, float]], size: float, extend: bool) -> float:
+    """Linear between the sorted `(size, value)` points around `size`; the first value
+    below them; past them the last segment's line when `extend`, else the last value."""
+    if size <= points[0][0]:
+        return points[0][1]
+    if size >= points[-1][0] and not (extend and len(points) > 1):
+        return points[-1][1]
+    segment = next((i for i, (s, _) in enumerate(points) if s >= size), len(points) - 1)
+    (low, low_value), (high, high_value) = points[segment - 1], points[segment]
+    return low_value + (high_value - low_value) / (high - low) * (size - low)
 
 
 class LinearCost:

@@ -18,7 +18,11 @@ The policy models a round from what the decoder measures as it runs:
     E_r(K)    = 1 + sum_{i=1..K} alpha_1 ... alpha_i      (alpha_j: P(accept depth j | j-1 accepted))
     T(K)      = verify(sum K_r + 1) + host(n) + max K_r * draft(requests that draft before the round)
                 + max(0, (max K_r + 1) * tree(branch rows) - verify)
-                (alone(...) for verify when no request pre-speculates)
+                + tree(L) / L * sum_r L_r / R_r(K_r)
+                (alone(...) for verify when no request pre-speculates; L_r: the tokens request
+                r's draft cache lacks beyond K_r + 1, L their sum, fed in one forward before
+                the first draft step: paid once, so spread over R_r(K) = room_r / E_r(K), the
+                rounds the request has left)
 
 and picks the K of every request that maximises the batch's tokens per second,
 `sum E_r(K_r) / T(K)`: the best K shared by all first, then one pass that moves each
@@ -182,6 +186,7 @@ class LoadPolicy:
         self.alone = alone
         self._unspeculated_rounds = 0  # rounds asked `runs_alone`
         self._kept: _KeptChoice | None = None  # the last choice, while its batch runs on
+        self._hopeless = False  # the last choice: K = 0 for all, and no K could pay at this load
         # host work per round, apart for rounds that draft (proposals, features, commits) and
         # rounds that do not: on a small target it is a large share of a round, and K > 0
         # must pay for its own
@@ -254,7 +259,7 @@ class LoadPolicy:
 
     def choose(self, batch) -> list[Plan]:
         """The plan of each `batch` entry (a `decoding.Sequence`: its `k`, `adapts`,
-        `steered`, `acceptance`, `greedy`, `prespeculating`, `room` and last `plan`)."""
+        `steered`, `acceptance`, `greedy`, `prespeculating`, `room`, `draft_lag` and last `plan`)."""
         if not any(sequence.adapts or sequence.steered for sequence in batch):
             return [Plan(most_drafts(s), s.prespeculating) for s in batch]  # as each asked
         candidates, ks = self._chosen(batch, [self._candidate(sequence) for sequence in batch])
@@ -272,7 +277,9 @@ class LoadPolicy:
         that got better is measured in a few rounds rather than a few periods; each probe in
         a row that accepted nothing doubles the period (up to `PROBE_BACKOFF` times). A
         probe is skipped while drafting could not pay at this load whatever it measured
-        (`_could_pay`), and made as soon as it could."""
+        (`_could_pay`; once per choice while no request drafts, `_nothing_could_pay`: asked
+        of every due request every round it had been a fifth of the decode loop's Python at 8
+        streams), and made as soon as it could."""
         candidate = candidates[index]
         if plan.draft_tokens or not (candidate.adapts and candidate.most):
             return plan
@@ -280,7 +287,7 @@ class LoadPolicy:
         confirmed = last.probe and verified and accepted == verified
         rejected = rejected_probes(last, verified, accepted)
         due = confirmed or last.quiet + 1 >= probe_period(rejected)
-        if due and self._could_pay(candidates, ks, index):
+        if due and not self._hopeless and self._could_pay(candidates, ks, index):
             return Plan(min(PROBE_DRAFTS, candidate.most), prespeculate=False, probe=True, rejected_probes=rejected)
         return replace(plan, quiet=last.quiet + 1, rejected_probes=rejected)
 
@@ -319,7 +326,17 @@ class LoadPolicy:
                    for speculating in self._speculation_choices(candidates)]
         speculating, candidates, ks = max(choices, key=lambda choice: self._rate(choice[1], choice[2]))
         self._kept = _KeptChoice(list(batch), speculating, ks, REPLAN_ROUNDS - 1)
+        self._hopeless = self._nothing_could_pay(candidates, ks)
         return candidates, ks
+
+    def _nothing_could_pay(self, candidates: list["_Candidate"], ks: list[int]) -> bool:
+        """No request drafts, and none could pay at this load with a draft as good as the
+        optimistic prior (`_could_pay`, asked of the first request that may draft: at a
+        glance, as the others ask the same of the same costs)."""
+        if any(ks):
+            return False
+        hopeful = next((i for i, c in enumerate(candidates) if c.adapts and c.most), None)
+        return hopeful is None or not self._could_pay(candidates, ks, hopeful)
 
     def _best(self, candidates, speculating: bool):
         if not speculating:
@@ -335,7 +352,8 @@ class LoadPolicy:
             reach.append(reach[-1] * rate)  # reach[i]: P(the first i drafts all accepted)
         most = most_drafts(sequence)
         hit = sequence.acceptance.hit_rate(shared.hit_rate(UNSEEN_HIT_RATE)) if sequence.prespeculating else 0.0
-        return _Candidate(most, sequence.adapts, sequence.steered, reach, hit, sequence.prespeculating)
+        return _Candidate(most, sequence.adapts, sequence.steered, reach, hit, sequence.prespeculating,
+                          sequence.draft_lag, sequence.room)
 
     def _measured_prior(self, depths: int) -> list[float] | None:
         """Where the shared estimate starts: the draft's acceptance by depth as measured when
@@ -358,11 +376,27 @@ class LoadPolicy:
             return verify + host
         misses = sum(1 - c.hit for c, _ in drafting)
         critical = max(k for _, k in drafting) * self.draft_cost(misses) if misses > 1e-6 else 0.0
+        critical += self._catch_up_seconds(drafting)
         overrun = 0.0
         if speculating:
             rows = len(speculating) * (max(speculating) + 1)  # at least one branch per depth and request
             overrun = max(0.0, (max(speculating) + 1) * self.tree_cost(rows) - verify)
         return verify + host + critical + overrun
+
+    def _catch_up_seconds(self, drafting: list[tuple["_Candidate", int]]) -> float:
+        """The tokens drafting requests' caches lack beyond a steady round's K + 1 (a prompt
+        the draft has not fed, the tokens of a stretch at K = 0), fed in one forward before
+        the first draft step, on the round's critical path. Paid once, while the drafts pay
+        every round after, so each request's share is spread over the rounds it has left
+        at that K. Uncosted, 16 new requests at once each fed a 43-token prompt to the draft
+        (1.6 s the first time, 0.2 s after) before rounds of 50 ms, and the policy, which
+        then turned speculation off, ran at 0.86x autoregressive."""
+        behind = [(c, k, c.lag - (k + 1)) for c, k in drafting if c.lag > k + 1]
+        rows = sum(extra for _, _, extra in behind)
+        if not rows:
+            return 0.0
+        per_row = self.tree_cost(rows) / rows
+        return per_row * sum(extra / c.rounds_left(k) for c, k, extra in behind)
 
     def _verify_seconds(self, tokens: int, alone: bool) -> float:
         """A verification of `tokens`; `alone`: with nothing of the draft's beside it, on
@@ -389,7 +423,12 @@ class LoadPolicy:
         verification of `tokens` runs beside it: what one draft forward takes in that time
         (at least one each), so that the target does not wait for it. Unbounded, the draft
         of 16 sequences that had drafted nothing for 32 rounds took longer than the
-        verification, and the load policy fell a fifth behind autoregressive decoding."""
+        verification, and the load policy fell a fifth behind autoregressive decoding.
+        None while nothing could draft at this load (`_nothing_could_pay`): the catch-up
+        would serve no draft, and at 16 streams its waits (a forward of a shape ONNX
+        Runtime had not run yet costs several times a steady one) were 5-8% of a run."""
+        if self._hopeless:
+            return 0
         if not (self.verify_cost.known and self.tree_cost.known):
             return MOST_BRANCHES
         return max(1, hidden_branches(self.verify_cost(tokens), self.tree_cost, 1, requests))
@@ -463,9 +502,15 @@ class _Candidate:
     reach: list[float]   # reach[i]: P(first i drafts accepted)
     hit: float           # P(its next draft comes from the speculation cache)
     prespeculating: bool
+    lag: int = 0         # committed tokens its draft cache lacks (`Sequence.draft_lag`)
+    room: int = 1 << 30  # output tokens it may still make
 
     def expected_tokens(self, k: int) -> float:
         return sum(self.reach[:k + 1])
+
+    def rounds_left(self, k: int) -> float:
+        """Rounds until its output is full, drafting `k` tokens a round."""
+        return max(1.0, self.room / self.expected_tokens(k))
 
     def fitted(self, k: int) -> int:
         """`k` within what it may draft this round; a pinned K stays its own."""

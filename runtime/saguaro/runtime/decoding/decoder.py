@@ -180,6 +180,15 @@ class Sequence:
         return self.speculator
 
     @property
+    def draft_lag(self) -> int:
+        """Committed tokens its draft cache lacks, to be fed before it drafts again (0
+        without a draft, or with a pre-speculated draft ready): a prompt the draft has not
+        seen, or the tokens of a stretch of rounds that drafted nothing."""
+        if self.speculator is None or (self.proposal is not None and len(self.proposal)):
+            return 0
+        return max(0, self.speculator.lag(self.out.ids))
+
+    @property
     def draft_lags(self) -> bool:
         """Drafts nothing this round and its draft cache lacks committed tokens."""
         return self.speculator is not None and not self.plan.draft_tokens and self.speculator.lag(self.out.ids) > 0
