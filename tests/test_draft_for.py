@@ -9,7 +9,7 @@ from checkpoints import build_engines_cli
 from transformers import AutoModelForCausalLM
 
 from saguaro.modelmaker.draft_for import PRESETS, kept_layers, make_draft_for, output_vocabulary, target_generations
-from saguaro.modelmaker.draft_prompts import prompt_set
+from saguaro.modelmaker.draft_prompts import HELD_OUT_SUBJECTS, SUBJECTS, prompt_set, text_windows
 from saguaro.modelmaker.draft_training import Sequence
 from saguaro.modelmaker.train import TrainSettings
 from saguaro.runtime.core.options import DecodeOptions
@@ -37,6 +37,18 @@ def test_layers_and_output_vocabulary():
     sequences = [Sequence([5, 6, 7, 7, 9], start=2)]
     vocab = output_vocabulary(sequences, 4, vocab_size=20, always=(1,))
     assert vocab.tolist() == [1, 5, 7, 9]  # the EOS, then outputs by frequency, then prompt tokens
+
+
+def test_text_windows_are_drawn_by_length_and_questions_spread_over_many_subjects():
+    """A short topic is not drawn as often as a long one (its windows would overlap, the
+    target's same answer learnt several times over), and each subject is asked about a few
+    times, not a dozen; no held-out subject is a training one."""
+    short, long = "short " * 100, "long " * 2000
+    windows = text_windows([short, long], count=200, seed=0)
+    assert sum(window.startswith("long") for window in windows) > 0.9 * len(windows)
+    assert len(SUBJECTS) >= 400 and not set(SUBJECTS) & set(HELD_OUT_SUBJECTS)
+    asked = [p.text for p in prompt_set(1536, 0.75, held_out=False, seed=0) if p.chat]
+    assert max(sum(subject in text for text in asked) for subject in ("black holes", "cats", "chess")) <= 8
 
 
 def test_target_generations_record_the_targets_top_tokens(tiny_pair):

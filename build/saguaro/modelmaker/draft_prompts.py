@@ -39,6 +39,54 @@ SUBJECTS = (
     "social media", "the printing of money", "glaciers", "opera", "the Nile", "computer viruses",
     "vitamins", "the Cold War", "marathons", "nuclear power", "the alphabet", "operating systems",
     "coral reefs", "the telephone", "friendship", "budgeting", "tsunamis", "mushrooms",
+    # more subjects, so that each is asked about a few times rather than a dozen: with 96,
+    # the head agreed with the target on 0.66 of training-question tokens and 0.41 of
+    # held-out-question tokens (it learnt each subject's answers)
+    "the French language", "Japanese cuisine", "the Vikings", "ancient Greece", "the Aztecs", "the Incas",
+    "the Ottoman Empire", "the Byzantine Empire", "the Mongol Empire", "the American Civil War",
+    "the Russian Revolution", "the Reformation", "the Enlightenment", "the Space Race", "the Apollo missions",
+    "the Hubble telescope", "Mars", "Jupiter", "comets", "asteroids", "galaxies", "the Big Bang",
+    "neutron stars", "gravity waves", "magnetism", "friction", "thermodynamics", "sound waves", "light",
+    "lasers", "semiconductors", "transistors", "batteries", "wind turbines", "hydroelectric dams",
+    "steam engines", "jet engines", "rockets", "submarines", "trains", "bridges", "skyscrapers", "tunnels",
+    "roads", "canals", "lighthouses", "castles", "cathedrals", "pyramids", "museums", "libraries",
+    "universities", "kindergarten", "homework", "exams", "learning a language", "grammar", "punctuation",
+    "dictionaries", "novels", "short stories", "fairy tales", "mythology", "Greek gods", "Norse myths",
+    "comic books", "animation", "film editing", "theatre", "ballet", "hip hop", "rock music", "classical music",
+    "the guitar", "drums", "singing", "painting", "sculpture", "pottery", "knitting", "woodworking",
+    "calligraphy", "architecture", "interior design", "fashion", "perfume", "jewellery", "tattoos",
+    "fungi", "ferns", "oak trees", "cacti", "bamboo", "flowers", "seeds",
+    "soil", "compost", "fertiliser", "irrigation", "farming", "cattle", "sheep", "horses", "chickens",
+    "whales", "dolphins", "sharks", "octopuses", "jellyfish", "salmon", "frogs", "snakes", "lizards",
+    "turtles", "crocodiles", "owls", "eagles", "parrots", "bats", "wolves", "bears", "elephants", "giraffes",
+    "lions", "tigers", "monkeys", "gorillas", "ants", "butterflies", "mosquitoes", "bacteria", "viruses",
+    "cells", "evolution", "genetics", "proteins", "enzymes", "hormones", "the lungs", "the liver",
+    "the kidneys", "the eye", "the ear", "teeth", "skin", "muscles", "bones", "blood", "nutrition",
+    "diabetes", "allergies", "the common cold", "antibiotics", "surgery", "nursing", "first aid",
+    "exercise", "running", "swimming", "cycling", "tennis", "basketball", "baseball", "cricket", "golf",
+    "skiing", "surfing", "rock climbing", "martial arts", "the Tour de France", "board games", "video games",
+    "puzzles", "magic tricks", "cooking pasta", "baking cakes", "soup", "rice", "cheese", "olive oil",
+    "spices", "sugar", "salt", "fermentation", "wine making", "breakfast", "vegetarian diets", "restaurants",
+    "supermarkets", "shopping", "advertising", "marketing", "economics", "taxes", "banks", "loans",
+    "insurance", "interest rates", "trade", "globalisation", "startups", "management", "leadership",
+    "teamwork", "negotiation", "job interviews", "writing a resume", "emails", "remote work", "productivity",
+    "habits", "motivation", "happiness", "stress", "emotions", "memory", "dreams", "creativity",
+    "philosophy", "ethics", "logic", "Socrates", "Plato", "Aristotle", "Confucius", "Buddhism",
+    "human rights", "elections", "the United Nations", "laws", "courts", "the police", "journalism",
+    "newspapers", "radio", "television", "podcasts", "smartphones", "keyboards", "printers",
+    "the world wide web", "search engines", "email spam", "passwords", "encryption", "cybersecurity",
+    "programming", "JavaScript", "SQL", "Linux", "version control", "unit testing", "debugging",
+    "compilers", "data structures", "graphs", "trees in computer science", "binary numbers", "algorithms",
+    "artificial intelligence", "neural networks", "robotics", "self-driving cars", "drones", "3D printing",
+    "virtual reality", "satellites", "GPS", "maps", "weather forecasts", "clouds", "rain", "snow",
+    "thunderstorms", "tornadoes", "wildfires", "droughts", "floods", "forests", "lakes", "islands", "caves",
+    "the Arctic", "the Pacific Ocean", "the Mediterranean Sea", "Africa", "South America", "Australia",
+    "India", "China", "Japan", "Brazil", "Canada", "Mexico", "Egypt", "Italy", "Spain", "Germany",
+    "London", "New York", "Tokyo", "Rome", "Venice", "the Alps", "time zones",
+    "calendars", "clocks", "money", "coins", "stamps", "postcards", "birthdays", "weddings", "holidays",
+    "New Year celebrations", "festivals", "fireworks", "camping", "travel", "airports", "hotels",
+    "learning to drive", "traffic", "public transport", "cities", "villages", "neighbours", "pets",
+    "parenting", "grandparents", "childhood", "old age", "volunteering", "charity", "kindness",
 )
 HELD_OUT_SUBJECTS = (
     "the capital of France", "penguins", "the theory of relativity", "tea", "the Olympic Games",
@@ -64,8 +112,11 @@ def text_windows(texts: list[str], count: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     windows: list[str] = []
     usable = [text for text in texts if len(text) > 2 * TEXT_WINDOW_CHARACTERS]
+    lengths = [len(text) for text in usable]
     while usable and len(windows) < count:
-        text = rng.choice(usable)
+        # a text by its length: short topics drawn as often as long ones had their windows
+        # overlap, the target's same answer learnt several times
+        text = rng.choices(usable, weights=lengths)[0]
         start = text.find(" ", rng.randrange(len(text) - TEXT_WINDOW_CHARACTERS)) + 1
         windows.append(text[start:start + TEXT_WINDOW_CHARACTERS].rsplit(" ", 1)[0])
     return windows
