@@ -79,7 +79,7 @@ class FeatureDraftSettings:
 PRESETS = {
     # The target answering 1536 prompts x 128 tokens in bf16 batches of 32, then 1800 steps
     # of 4 answers x 3 unrolled steps (three times the steps of the earlier preset: held-out
-    # agreement 0.37 -> 0.43 on the same answers): 26 minutes on 2 idle cores (11
+    # agreement 0.37 -> 0.43 on the same answers): 26-30 minutes on 2 cores (11-15
     # answering, 15 training; docs/drafts.md).
     "full": FeatureDraftSettings(),
     # The quickstart's: under 3 minutes on 2 cores: 192 answers (nine in ten to chat
