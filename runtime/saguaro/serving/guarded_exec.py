@@ -37,6 +37,10 @@ def main(argv: list[str]) -> int:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     for name in ("SIGPIPE", "SIGXFSZ"):  # what Python ignores, the program gets back (as subprocess does)
         signal.signal(getattr(signal, name), signal.SIG_DFL)
+    # SIGINT is how the server is stopped (by the launcher, or the kernel when it dies): a
+    # launcher started in the background of a script inherits it ignored, and an ignored
+    # signal stays ignored across exec
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.execv(program[0], program)
     return 1  # not reached: execv raises on failure
 
