@@ -2,6 +2,7 @@
 with a reduced output vocabulary that keeps speculative decoding exact."""
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.models.checkpoint import DRAFT_REPORT, acceptance_by_depth, load_tokenizer
 from saguaro.runtime.models.llama import UNSCORED
+from saguaro.runtime.models.prompts import CHAT_PROMPTS
 from saguaro.runtime.pipeline import Pipeline
 
 TINY = dataclasses.replace(PRESETS["quick"], num_layers=1, output_vocab=160, train_prompts=12, held_out_prompts=4,
@@ -48,7 +50,17 @@ def test_text_windows_are_drawn_by_length_and_questions_spread_over_many_subject
     assert sum(window.startswith("long") for window in windows) > 0.9 * len(windows)
     assert len(SUBJECTS) >= 400 and not set(SUBJECTS) & set(HELD_OUT_SUBJECTS)
     asked = [p.text for p in prompt_set(1536, 0.75, held_out=False, seed=0) if p.chat]
-    assert max(sum(subject in text for text in asked) for subject in ("black holes", "cats", "chess")) <= 8
+    assert max(sum(subject in text for text in asked) for subject in ("black holes", "dogs", "chess")) <= 8
+
+
+def test_training_subjects_leave_out_the_benchmarks_questions():
+    """bench.py --chat measures drafts on CHAT_PROMPTS: no training subject is theirs."""
+    topics = {"France": r"France|Paris", "rainbow": r"rainbows?", "the sea": r"seas?\b|oceans?",
+              "Python": r"Python", "the sky": r"sky\b", "prime number": r"prime numbers?", "a cat": r"cats?\b",
+              "vaccines": r"vaccines?"}
+    for topic, pattern in topics.items():
+        assert any(topic in question for question in CHAT_PROMPTS), topic  # the benchmark's own
+        assert not [s for s in SUBJECTS if re.search(rf"\b({pattern})", s, re.IGNORECASE)], topic
 
 
 def test_target_generations_record_the_targets_top_tokens(tiny_pair):
