@@ -19,8 +19,9 @@ from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.models.checkpoint import load_checkpoint
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.serving.client import complete, ensemble_inputs
-from saguaro.serving.launch import Ports, parse_args, serve
+from saguaro.serving.launch import parse_args, serve
 from saguaro.serving.model_repo import values_from_args
+from saguaro.serving.triton_server import Ports
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Write a haiku about the sea."]

@@ -26,9 +26,10 @@ from saguaro.runtime.models.detokenizer import prefix_window, text_delta
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.serving.client import MODEL, CompletionError, complete, ensemble_inputs, stream_responses
 from saguaro.serving.interface import IGNORED, NEUTRAL_ONLY
-from saguaro.serving.launch import Ports, parse_args, serve
+from saguaro.serving.launch import parse_args, serve
 from saguaro.serving.model_repo import values_from_args
 from saguaro.serving.responses import PERF_OUTPUTS
+from saguaro.serving.triton_server import Ports
 
 pytestmark = pytest.mark.server
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -28,9 +28,10 @@ from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.models.prompts import encode_chat
 from saguaro.runtime.pipeline import Pipeline
-from saguaro.serving.launch import Ports, parse_args, serve, start_openai
+from saguaro.serving.launch import parse_args, serve, start_openai
 from saguaro.serving.model_repo import values_from_args
 from saguaro.serving.responses import PERF_OUTPUTS
+from saguaro.serving.triton_server import Ports
 
 pytestmark = pytest.mark.server
 # A ChatML template (the test pair's tokenizer has none): what --chat-template gives.

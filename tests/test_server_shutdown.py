@@ -27,7 +27,7 @@ from served import reference
 
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.serving.client import MODEL, Completion, CompletionError, absorb, complete, ensemble_inputs
-from saguaro.serving.launch import EXIT_GRACE_S, TRITON_EXIT_TIMEOUT_S, Ports
+from saguaro.serving.triton_server import EXIT_GRACE_S, TRITON_EXIT_TIMEOUT_S, Ports
 
 pytestmark = pytest.mark.server
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -23,7 +23,6 @@ from saguaro.runtime.models.detokenizer import PREFIX_TOKENS, prefix_window, str
 from saguaro.runtime.models.prompts import chat_messages, encode_chat
 from saguaro.runtime.pipeline import Pipeline, RequestError
 from saguaro.serving.interface import IGNORED, NEUTRAL_ONLY
-from saguaro.serving.launch import pending_signals
 from saguaro.serving.lifecycle import (
     CANCELLED,
     SHUTDOWN,
@@ -54,6 +53,7 @@ from saguaro.serving.requests import (
 )
 from saguaro.serving.responses import first_stop_end, run_request, start_request
 from saguaro.serving.settings import parse_stream_interval, rounds_per_response
+from saguaro.serving.triton_server import pending_signals
 
 LIMITS = ModelLimits(max_context=64, vocab_size=300, eos_token_id=2)
 

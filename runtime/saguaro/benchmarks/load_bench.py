@@ -35,10 +35,11 @@ from saguaro.benchmarks.figures import pyplot, save
 from saguaro.runtime.arguments import DECODE_DEFAULTS
 from saguaro.runtime.models.prompts import PROMPTS
 from saguaro.serving.client import complete, ensemble_inputs, tensor
-from saguaro.serving.launch import Ports, serve
 from saguaro.serving.launch import parse_args as serve_args
+from saguaro.serving.launch import serve
 from saguaro.serving.model_repo import values_from_args
 from saguaro.serving.served_metrics import growth_ratio, histogram_mean, scrape
+from saguaro.serving.triton_server import Ports
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
 

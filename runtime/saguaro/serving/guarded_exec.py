@@ -6,7 +6,7 @@ How the launcher starts `tritonserver`. On SIGTERM Triton 2.51 stops every model
 scheduler at once, which strands in-flight ensemble requests (their next step is
 refused) and tells the generation model nothing. With SIGTERM blocked, a SIGTERM sent
 to the server stays pending instead; the launcher sees it pending
-(`launch.pending_signals`), drains the generations, and only then stops the server with
+(`triton_server.pending_signals`), drains the generations, and only then stops the server with
 SIGINT, which Triton handles as it would SIGTERM. If the launcher dies first, the kernel
 sends the server SIGINT (PR_SET_PDEATHSIG), so it never outlives the launcher.
 
