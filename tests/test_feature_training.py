@@ -26,7 +26,7 @@ from saguaro.runtime.models.checkpoint import load_checkpoint
 from saguaro.runtime.models.feature_head import is_feature_head, load_feature_head
 
 TINY = dataclasses.replace(PRESETS["quick"], draft_vocab_size=200, train_prompts=24, held_out_prompts=8,
-                           new_tokens=12, generation_batch=8, threads=2,
+                           new_tokens=12, generation_batch=8, threads=2, minutes=None,
                            train=TrainSettings(steps=30, batch_size=8, seq_len=0, lr=3e-3, warmup_steps=3))
 LAYERS = (0, 1, 2)
 
@@ -137,7 +137,11 @@ def test_make_models_kind_and_feature_layers(tmp_path):
     assert parse_args(common + ["--kind", "pruned", "--layers", "4"]).layers == 4
     args = parse_args(common + ["--feature-layers", "2,15,27", "--output-vocab", "1000"])
     assert args.feature_layers == (2, 15, 27) and draft_settings(args).draft_vocab_size == 1000
+    assert draft_settings(args).minutes == PRESETS["full"].minutes == 29  # the full preset's bound
+    assert draft_settings(parse_args(common + ["--preset", "quick", "--minutes", "5"])).minutes == 5
+    assert draft_settings(parse_args(common + ["--minutes", "0"])).minutes is None  # 0: no bound
     for wrong in (["--kind", "pruned", "--feature-layers", "1,2"], ["--layers", "4"],
-                  ["--kind", "feature", "--feature-layers", "2,x"]):
+                  ["--kind", "feature", "--feature-layers", "2,x"], ["--minutes", "-1"], ["--minutes", "nan"],
+                  ["--kind", "pruned", "--minutes", "5"]):
         with pytest.raises(SystemExit):
             parse_args(common + wrong)

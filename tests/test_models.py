@@ -2,6 +2,7 @@
 figures, the saved tiny pair (the session fixture `tiny_pair`) and the CLI."""
 
 import json
+import time
 from dataclasses import replace
 
 import pytest
@@ -16,10 +17,12 @@ from saguaro.modelmaker.train import (
     TrainSettings,
     distill_draft,
     encode_documents,
+    fit,
     llama_config,
     new_model,
     target_continuations,
     train_target,
+    warmup_cosine,
 )
 
 TINY = PRESETS["tiny"]
@@ -130,6 +133,28 @@ def test_draft_distillation_is_deterministic_per_seed(tokenizer, stream):
 
 
 # --- acceptance -------------------------------------------------------------------------
+
+
+def slow_steps(model: torch.nn.Module, seconds: float):
+    """A loss whose every step takes `seconds`."""
+    def batch_loss() -> torch.Tensor:
+        time.sleep(seconds)
+        return model(torch.ones(1, 2)).sum()
+    return batch_loss
+
+
+def test_training_with_a_deadline_takes_the_steps_that_fit_and_ends_its_decay_there():
+    model, settings = torch.nn.Linear(2, 1), TrainSettings(steps=400, batch_size=1, seq_len=0, lr=1e-2, warmup_steps=5)
+    started = time.monotonic()
+    losses = fit(model, settings, slow_steps(model, 0.005), False, "test", deadline=started + 0.5)
+    elapsed = time.monotonic() - started
+    assert 20 < len(losses) < 400 and elapsed < 0.7  # about 0.5 s of 5 ms steps, not 2 s of 400
+    assert len(fit(model, settings, slow_steps(model, 0.0), False, "test")) == 400  # no deadline: every step
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    schedule = warmup_cosine(optimizer, settings, total=lambda: len(losses))
+    for _ in range(len(losses)):
+        schedule.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(settings.min_lr_ratio)  # decayed at the cut
 
 
 def test_accepted_lengths_replay_greedy_rounds():

@@ -37,6 +37,16 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def layer_list(text: str) -> tuple[int, ...]:
     try:
         layers = tuple(int(part) for part in text.split(","))
@@ -70,12 +80,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     drafting.add_argument("--layers", type=int, help="target layers the draft keeps (default 4)")
     drafting.add_argument("--output-vocab", type=int, help="tokens the draft scores (default 8192)")
     drafting.add_argument("--steps", type=int, help="distillation steps")
+    drafting.add_argument("--minutes", type=non_negative_float, metavar="M",
+                          help="with --kind feature: the run's time bound; training takes fewer steps where "
+                               "they would not fit (default: the preset's, full 29, quick 2.9; 0: no bound)")
     drafting.add_argument("--threads", type=int, help="torch threads (default 2)")
     args = parser.parse_args(argv)
     if args.draft_for is not None and args.out is None:
         parser.error("--draft-for needs --out")
     if args.kind != KIND_FEATURE and args.feature_layers is not None:
         parser.error("--feature-layers goes with --kind feature")
+    if args.kind != KIND_FEATURE and args.minutes is not None:
+        parser.error("--minutes goes with --kind feature")
     if args.kind == KIND_FEATURE and args.layers is not None:
         parser.error("--layers goes with --kind pruned (a feature head, the default kind, has one layer; "
                      "see --feature-layers)")
@@ -114,6 +129,8 @@ def draft_settings(args: argparse.Namespace):
     if args.kind == KIND_FEATURE:
         settings = feature_draft.PRESETS[args.preset]
         changes = {"draft_vocab_size": args.output_vocab, "threads": args.threads, "seed": args.seed}
+        if args.minutes is not None:
+            settings = dataclasses.replace(settings, minutes=args.minutes or None)  # 0: no bound
     else:
         settings = draft_for.PRESETS[args.preset]
         changes = {"num_layers": args.layers, "output_vocab": args.output_vocab, "threads": args.threads,
@@ -153,7 +170,8 @@ def describe_feature_draft(report: dict) -> str:
             f"{report['output_vocab']} output tokens (covering {report['output_coverage']:.3f} of held-out target "
             f"tokens); weights per step {weights['draft'] / 1e6:.1f}M vs the target's {weights['target'] / 1e6:.1f}M; "
             f"step {costs['draft'] * 1e3:.2f} ms vs the target's {costs['target'] * 1e3:.2f} ms "
-            f"({costs['ratio']:.3f}); seconds {report['seconds']}\n"
+            f"({costs['ratio']:.3f}); {report.get('trained_steps', report['settings']['train']['steps'])} training "
+            f"steps; seconds {report['seconds']}\n"
             f"before training: {format_acceptance(report['acceptance_before_distillation'])}\n"
             f"after training:  {format_acceptance(report['acceptance'])}")
 

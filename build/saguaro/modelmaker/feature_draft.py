@@ -74,6 +74,9 @@ class FeatureDraftSettings:
     k: int = 4                   # the draft length acceptance is reported for
     threads: int = 2
     seed: int = 0
+    # The whole run's time: training takes fewer steps where the answers and the configured
+    # steps would not fit in it (the held-out report's few seconds kept aside). None: no bound.
+    minutes: float | None = 29.0
 
 
 PRESETS = {
@@ -81,10 +84,10 @@ PRESETS = {
     # of 4 answers x 3 unrolled steps (three times the steps of the earlier preset: held-out
     # agreement 0.37 -> 0.43 on the same answers): 26-30 minutes on 2 cores (11-15
     # answering, 15 training; docs/drafts.md).
-    "full": FeatureDraftSettings(),
+    "full": FeatureDraftSettings(),  # at most 29 minutes (fewer steps on a busier machine)
     # The quickstart's: under 3 minutes on 2 cores: 192 answers (nine in ten to chat
     # questions) x 96 tokens, 220 steps (250 took 3 min 2 s with agreement 0.283).
-    "quick": FeatureDraftSettings(train_prompts=192, held_out_prompts=16, new_tokens=96, chat_share=0.9,
+    "quick": FeatureDraftSettings(train_prompts=192, held_out_prompts=16, new_tokens=96, chat_share=0.9, minutes=2.9,
                                   train=TrainSettings(steps=220, batch_size=4, seq_len=0, lr=2e-3, warmup_steps=10)),
 }
 
@@ -196,7 +199,7 @@ def ttt_loss(head: FeatureHead, batch: Batch, settings: FeatureDraftSettings) ->
 
 
 def train_head(head: FeatureHead, answers: list[Answer], settings: FeatureDraftSettings, bf16: bool,
-               progress: bool) -> list[float]:
+               progress: bool, deadline: float | None = None) -> list[float]:
     draws = torch.Generator().manual_seed(settings.seed)
 
     def batch_loss() -> torch.Tensor:
@@ -205,7 +208,7 @@ def train_head(head: FeatureHead, answers: list[Answer], settings: FeatureDraftS
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             return ttt_loss(head, batch, settings)
 
-    return fit(head, settings.train, batch_loss, progress, "feature head")
+    return fit(head, settings.train, batch_loss, progress, "feature head", deadline)
 
 
 # The held-out report.
@@ -297,6 +300,7 @@ def make_feature_draft(target_dir: str | Path, out: str | Path,
     layers = tuple(feature_layers or default_feature_layers(checkpoint.shape.num_layers))
     Features(layers, checkpoint.shape.num_layers)  # refuses layers outside the target's, before any work
     seconds: dict[str, float] = {}
+    deadline = run_deadline(settings)
     bf16 = fast_bfloat16()
     with pinned_torch(settings.threads):
         torch.manual_seed(settings.seed)
@@ -306,9 +310,10 @@ def make_feature_draft(target_dir: str | Path, out: str | Path,
         head = initial_head(checkpoint.model, layers, vocab_ids, settings.seed)
         before = acceptance(head, held_out, settings.k)
         mark = time.perf_counter()
+        bound = f", fewer if the run's {settings.minutes:g} minutes end first" if deadline is not None else ""
         say(progress, f"training the head: {settings.train.steps} steps of {settings.train.batch_size} answers, "
-                      f"{settings.ttt_steps} unrolled drafting steps each{' (bf16 autocast)' if bf16 else ''}")
-        losses = train_head(head, train, settings, bf16, progress)
+                      f"{settings.ttt_steps} unrolled drafting steps each{' (bf16 autocast)' if bf16 else ''}{bound}")
+        losses = train_head(head, train, settings, bf16, progress, deadline)
         seconds["training"] = time.perf_counter() - mark
         mark = time.perf_counter()
         after = acceptance(head, held_out, settings.k)
@@ -321,13 +326,24 @@ def make_feature_draft(target_dir: str | Path, out: str | Path,
               "output_coverage": coverage(held_out, vocab_ids),
               "decode_weights": {"target": decode_cost(checkpoint.model), "draft": head_decode_cost(head)},
               "step_seconds": costs,
+              "trained_steps": len(losses),
               "loss": {"first": losses[0], "final": sum(losses[-10:]) / len(losses[-10:])},
               "acceptance_before_distillation": before, "acceptance": after,
               "seconds": {key: round(value, 1) for key, value in seconds.items()}}
     save_draft_folder(head, target_dir, out, report)
-    say(progress, f"feature head in {out}: agreement {after['agreement']:.3f}, mean accepted "
+    say(progress, f"feature head in {out} ({len(losses)} steps): agreement {after['agreement']:.3f}, mean accepted "
                   f"{after['mean_accepted']:.2f} at K={settings.k}, step cost {costs['ratio']:.3f} of the target's")
     return report
+
+
+REPORT_RESERVE_S = 12.0  # the held-out report and saving after training (5 s on the full preset), and the imports before
+
+
+def run_deadline(settings: FeatureDraftSettings) -> float | None:
+    """When training must end (`time.monotonic()`) for the run to keep `settings.minutes`."""
+    if settings.minutes is None:
+        return None
+    return time.monotonic() + 60 * settings.minutes - REPORT_RESERVE_S
 
 
 def target_answers(checkpoint, settings: FeatureDraftSettings, layers: tuple[int, ...], bf16: bool,

@@ -17,6 +17,7 @@ thread count are deterministic.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -117,14 +118,16 @@ def make_optimizer(model: torch.nn.Module, settings: TrainSettings) -> torch.opt
 
 
 def warmup_cosine(
-    optimizer: torch.optim.Optimizer, settings: TrainSettings
+    optimizer: torch.optim.Optimizer, settings: TrainSettings, total: Callable[[], int] | None = None
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up, then cosine decay down to `min_lr_ratio` of the peak rate."""
+    """Linear warm-up, then cosine decay down to `min_lr_ratio` of the peak rate at step
+    `total()` (`settings.steps` unless given: `fit` may end a run early)."""
 
     def factor(step: int) -> float:
         if step < settings.warmup_steps:
             return (step + 1) / settings.warmup_steps
-        progress = (step - settings.warmup_steps) / max(1, settings.steps - settings.warmup_steps)
+        steps = total() if total is not None else settings.steps
+        progress = (step - settings.warmup_steps) / max(1, steps - settings.warmup_steps)
         cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
         return settings.min_lr_ratio + (1.0 - settings.min_lr_ratio) * cosine
 
@@ -137,14 +140,20 @@ def fit(
     batch_loss: Callable[[], torch.Tensor],
     progress: bool,
     desc: str,
+    deadline: float | None = None,
 ) -> list[float]:
-    """Run `settings.steps` optimiser steps on `batch_loss()`; return the loss per step."""
+    """Run `settings.steps` optimiser steps on `batch_loss()`; return the loss per step.
+    `deadline` (`time.monotonic()`): fewer steps where they would not all end by then,
+    the count set from the pace so far (after the warm-up, then every `RECOUNT_EVERY`
+    steps) and the decay ending at it, so that a run on a busy machine keeps its time."""
     optimizer = make_optimizer(model, settings)
-    schedule = warmup_cosine(optimizer, settings)
+    steps = settings.steps
+    schedule = warmup_cosine(optimizer, settings, lambda: steps)
     losses: list[float] = []
     model.train()
-    bar = tqdm(range(settings.steps), desc=desc, disable=not progress, dynamic_ncols=True)
-    for step in bar:
+    bar = tqdm(total=steps, desc=desc, disable=not progress, dynamic_ncols=True)
+    started = time.monotonic()
+    while len(losses) < steps:
         loss = batch_loss()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -152,10 +161,26 @@ def fit(
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
-        if step % 20 == 0 or step == settings.steps - 1:
+        bar.update()
+        done = len(losses)
+        if deadline is not None and (done == settings.warmup_steps or done % RECOUNT_EVERY == 0):
+            steps = steps_by(deadline, done, time.monotonic() - started, settings.steps)
+            bar.total = steps
+        if done % 20 == 1 or done == steps:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    bar.close()
     model.eval()
     return losses
+
+
+RECOUNT_EVERY = 100  # steps between recounts of what fits before a deadline
+
+
+def steps_by(deadline: float, done: int, elapsed_s: float, most: int) -> int:
+    """How many steps end by `deadline` at the pace of the `done` steps so far (at least
+    one more than done: the recount is not a stop), at most `most`."""
+    pace = elapsed_s / done
+    return max(done + 1, min(most, done + int((deadline - time.monotonic()) / pace)))
 
 
 def next_token_loss(model: LlamaForCausalLM, windows: torch.Tensor) -> torch.Tensor:
