@@ -270,6 +270,29 @@ def test_no_probe_while_drafting_could_not_pay_at_this_load_and_one_as_soon_as_i
     assert alone.probe and alone.draft_tokens == PROBE_DRAFTS
 
 
+def test_a_batch_probes_once_a_period_not_once_per_request():
+    """Four requests with speculation off, all due to probe: one probes (the estimate it
+    measures is shared by its kind), the others wait a period, and the next probe is
+    another's; a sampled request keeps a period of its own."""
+    policy = policy_with(measured(0.005, 0.00002), measured(0.0002, 0.00001), acceptance=0.0)
+    policy.shared[False].verified, policy.shared[False].accepted = [1000.0] * 4, [0.0] * 4
+    batch = [FakeSequence(plan=Plan(0, quiet=PROBE_PERIOD)) for _ in range(4)] + [
+        FakeSequence(greedy=False, plan=Plan(0, quiet=PROBE_PERIOD))]
+    probes = []
+    for _ in range(2 * PROBE_PERIOD):
+        plans = policy.choose(batch)
+        for sequence, plan in zip(batch, plans):
+            sequence.plan = plan
+            policy.record_round(sequence.acceptance, sequence.greedy, plan.draft_tokens, 0)  # rejected
+        probes.append([index for index, plan in enumerate(plans) if plan.probe])
+    greedy_probes = [(round_, index) for round_, indices in enumerate(probes) for index in indices if index < 4]
+    assert [round_ for round_, _ in greedy_probes] == [0, PROBE_PERIOD]  # one a period, not four
+    assert len({index for _, index in greedy_probes}) == 2  # a request that waited probes next
+    # the sampled request probed beside the greedy one, on its own period (doubled after its
+    # rejected probe: alone of its kind, its own back-off is the kind's)
+    assert [round_ for round_, indices in enumerate(probes) if 4 in indices] == [0]
+
+
 def test_no_catch_up_while_nothing_could_draft_at_this_load():
     """The draft caches of requests at K = 0 catch up beside a verification only while some
     K could pay: at a load where none could, a catch-up would serve no draft."""
