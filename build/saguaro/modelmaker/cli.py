@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--force", action="store_true", help="remake an existing pair")
     drafting = parser.add_argument_group("with --draft-for")
     drafting.add_argument("--preset", choices=sorted(draft_for.PRESETS), default="full",
-                          help="full: the 30-minute draft; quick: about two minutes, weaker")
+                          help="full: the best draft, in at most 29 minutes; quick: under 3 minutes, weaker")
     drafting.add_argument("--kind", choices=("pruned", KIND_FEATURE), default=KIND_FEATURE,
                           help="feature (the default: it agrees with the target more, at less cost per step): "
                                "an EAGLE-3 head reading the target's hidden states (release format); pruned: a "

@@ -82,9 +82,10 @@ class FeatureDraftSettings:
 PRESETS = {
     # The target answering 1536 prompts x 128 tokens in bf16 batches of 32, then 1800 steps
     # of 4 answers x 3 unrolled steps (three times the steps of the earlier preset: held-out
-    # agreement 0.37 -> 0.43 on the same answers): 26-30 minutes on 2 cores (11-15
-    # answering, 15 training; docs/drafts.md).
-    "full": FeatureDraftSettings(),  # at most 29 minutes (fewer steps on a busier machine)
+    # agreement 0.37 -> 0.43 on the same answers): 26-31 minutes on 2 cores before the time
+    # bound (11-15 answering, 15-17 training; docs/drafts.md); now at most 29, with fewer
+    # steps on a busier machine.
+    "full": FeatureDraftSettings(),
     # The quickstart's: under 3 minutes on 2 cores: 192 answers (nine in ten to chat
     # questions) x 96 tokens, 220 steps (250 took 3 min 2 s with agreement 0.283).
     "quick": FeatureDraftSettings(train_prompts=192, held_out_prompts=16, new_tokens=96, chat_share=0.9, minutes=2.9,
