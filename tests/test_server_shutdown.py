@@ -197,9 +197,11 @@ def test_sigterm_to_serve_py_drains_then_cuts_the_rest_short(pipeline, served_en
     assert elapsed < EXIT_WITHIN_S, f"took {elapsed:.1f} s with an idle stream open"
     assert "stopped (SIGTERM to serve.py)" in "".join(served.output)
     in_flight, finished, stopped = drain_counts(served.output)
-    # the short stream finished, the long two were stopped; a request of the probe for the
-    # refusal (refused_while_draining) may have been in flight too, and finished
-    assert (stopped, finished) == (2, in_flight - 2) and in_flight in (3, 4), served.output
+    # the long two were stopped; the short stream finished (whole, asserted above) during the
+    # drain, or just before it: between the signal and serve.py's drain request (a poll of
+    # 0.2 s and a gRPC call) its last tokens may go out (CI saw it once); a request of the
+    # probe for the refusal (refused_while_draining) may have been in flight too, and finished
+    assert (stopped, finished) == (2, in_flight - 2) and in_flight in (2, 3, 4), served.output
     assert process_group_gone(served.triton_pid)  # tritonserver and its stubs
     idle.close()
 
@@ -223,7 +225,8 @@ def test_sigterm_to_tritonserver_itself_drains_the_same_way(pipeline, served_eng
     assert elapsed < EXIT_WITHIN_S, f"took {elapsed:.1f} s with an idle stream open"
     assert "stopped (SIGTERM to tritonserver)" in "".join(served.output)
     in_flight, finished, stopped = drain_counts(served.output)
-    assert (stopped, finished) == (0, in_flight) and in_flight in (2, 3), served.output  # 3: a probe too
+    # 3: a probe too; fewer than 2: a short stream ended between the signal and the drain
+    assert (stopped, finished) == (0, in_flight) and in_flight <= 3, served.output
     assert process_group_gone(served.triton_pid)
     idle.close()
 
