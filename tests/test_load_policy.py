@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from saguaro.runtime.cli import policy_summary
-from saguaro.runtime.control.costs import CostCurve, LinearCost
+from saguaro.runtime.control.costs import CostCurve, LinearCost, Misprediction
 from saguaro.runtime.control.load_policy import (
     PROBE_DRAFTS,
     PROBE_PERIOD,
@@ -16,6 +16,7 @@ from saguaro.runtime.control.load_policy import (
     Acceptance,
     LoadPolicy,
     Plan,
+    RoundReport,
     probe_period,
 )
 from saguaro.runtime.core.contracts import Rows, Step
@@ -341,6 +342,71 @@ def test_the_target_runs_alone_on_the_session_measured_faster_and_tries_the_othe
         assert policy._verify_seconds(1, alone=True) == pytest.approx(min(alone_seconds, 0.004) + 0.0003)
     policy.alone = False  # other decoders share the engines
     assert not any(policy.runs_alone(1) for _ in range(2 * PROBE_PERIOD))
+
+
+def test_a_session_tried_once_a_period_comes_back_once_it_measures_faster():
+    """A busy spell left the two-thread session's curve at twice what it costs now: the
+    one-thread session runs, the other is tried once a period, and each trial moves its
+    curve half way, so the faster session is back within a few periods (at the curves'
+    usual following it took a dozen)."""
+    policy = policy_with(measured(0.004, 0.0003), measured(0.0003, 0.00002), acceptance=0.5)
+    policy.alone_cost = measured(0.008, 0.0003)  # as the busy spell left it
+    on_both_threads = []
+    for _ in range(4 * PROBE_PERIOD):
+        alone = policy.runs_alone(1)
+        policy.observe_verify(1, 0.0023 if alone else 0.0043, alone)  # what each session costs now
+        on_both_threads.append(alone)
+    back = next(i for i in range(len(on_both_threads) - 2)
+                if on_both_threads[i] and on_both_threads[i + 1] and on_both_threads[i + 2])
+    assert PROBE_PERIOD - 1 <= back < 3 * PROBE_PERIOD
+    trials = [i for i in range(back, len(on_both_threads)) if not on_both_threads[i]]
+    assert trials and all((i + 1) % PROBE_PERIOD == 0 for i in trials)  # the other tried once a period
+
+
+def test_a_misprediction_follows_what_the_rounds_measured_by_batch_size():
+    correction = Misprediction()
+    assert correction(4) == 1.0  # nothing measured: the model as it is
+    for _ in range(40):
+        correction.observe(4, 0.036, 0.030)
+        correction.observe(1, 0.0150, 0.0150)
+    assert correction(4) == pytest.approx(1.2, rel=0.01) and correction(1) == pytest.approx(1.0, rel=0.001)
+    assert correction(2) == pytest.approx(1.0 + 0.2 / 3, rel=0.01)  # between the sizes measured
+    assert correction(16) == pytest.approx(1.2, rel=0.01)  # beyond them: the nearest one's
+
+
+def rounds_measured_at(policy: LoadPolicy, batch: list[FakeSequence], rounds: int, mispriced: float) -> list[int]:
+    """`rounds` rounds of `batch` whose drafting rounds take `mispriced` times what the
+    policy's model priced them at (its rounds without drafts cost what it said), each draft
+    accepted as the shared estimate says; returns each round's drafts in all."""
+    drafted = []
+    for _ in range(rounds):
+        plans = policy.choose(batch)
+        for sequence, plan in zip(batch, plans):
+            sequence.plan = plan
+        modelled = policy._modelled
+        report = RoundReport(len(batch), 0, verify_s=(modelled or 0.02) * mispriced, alone=False,
+                             drafted=any(plan.draft_tokens for plan in plans))
+        policy.observe_round(report)
+        drafted.append(sum(plan.draft_tokens for plan in plans))
+    return drafted
+
+
+def test_drafting_rounds_measured_dearer_than_priced_turn_speculation_off_within_a_choice():
+    """At 4 streams on SmolLM2 the model priced a round of K = 1 at 30.7 ms and it took
+    36.4 (the draft caches' catch-up paid again each time K came back, wider verifies
+    slower than their curve): the policy drafted on that price at 0.83x autoregressive
+    speed. Rounds measured a fifth dearer than priced turn drafting off within the rounds
+    a choice holds; rounds measured as priced keep it."""
+    def policy_and_batch():
+        policy = policy_with(measured(0.004, 0.0004), measured(0.0003, 0.00002), acceptance=0.45)
+        return policy, [FakeSequence() for _ in range(4)]
+
+    policy, batch = policy_and_batch()
+    assert all(rounds_measured_at(policy, batch, 3 * REPLAN_ROUNDS, mispriced=1.0))
+    policy, batch = policy_and_batch()
+    drafted = rounds_measured_at(policy, batch, 3 * REPLAN_ROUNDS, mispriced=1.2)
+    assert drafted[0] > 0 and not any(drafted[2 * REPLAN_ROUNDS:])
+    assert policy.misprediction(4) > 1.1
 
 
 class Disagreeing:

@@ -23,6 +23,8 @@ The policy models a round from what the decoder measures as it runs:
                 r's draft cache lacks beyond K_r + 1, L their sum, fed in one forward before
                 the first draft step: paid once, so spread over R_r(K) = room_r / E_r(K), the
                 rounds the request has left)
+                and for a round that drafts, times m(n): measured over modelled seconds of
+                the drafting rounds of n requests (`costs.Misprediction`: what no curve holds)
 
 and picks the K of every request that maximises the batch's tokens per second,
 `sum E_r(K_r) / T(K)`: the best K shared by all first, then one pass that moves each
@@ -66,7 +68,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from saguaro.runtime.control.calibration import measure_calibration
-from saguaro.runtime.control.costs import MOST_BRANCHES, CostCurve, LinearCost, hidden_branches
+from saguaro.runtime.control.costs import FOLLOWING, MOST_BRANCHES, CostCurve, LinearCost, Misprediction, hidden_branches
 
 SHARED_FADING = 0.995             # of the acceptance counts shared by all requests (per round with drafts)
 PRIOR_WEIGHT = 8.0                # pseudo-rounds of the shared estimate in a request's own
@@ -80,6 +82,11 @@ PROBE_BACKOFF = 3   # the period doubles with each probe in a row whose drafts w
 # for every request (about 0.15 ms of Python a round at one request, which on the tiny
 # engines was a tenth of a round), and the estimates it weighs move by a few percent a round.
 REPLAN_ROUNDS = 8
+# How far a verification on the session tried once a period (`runs_alone`) moves its curve:
+# measured once in PROBE_PERIOD rounds, at the curves' usual following a curve a busy spell
+# had inflated took hundreds of rounds to come back (a third of an autoregressive run at 4
+# streams verified on the one-thread session, 22.2 ms a round against 19.8 on both threads).
+TRIAL_FOLLOWING = 0.5
 
 
 @dataclass
@@ -185,6 +192,7 @@ class LoadPolicy:
         self.alone_cost = CostCurve()  # verify(N) with nothing of the draft's beside it (`run_alone`)
         self.alone = alone
         self._unspeculated_rounds = 0  # rounds asked `runs_alone`
+        self._trial = False  # this round verifies on the session tried once a period
         self._kept: _KeptChoice | None = None  # the last choice, while its batch runs on
         self._hopeless = False  # the last choice: K = 0 for all, and no K could pay at this load
         # rounds since a request of each kind (greedy or sampled) last probed: the estimate a
@@ -196,6 +204,8 @@ class LoadPolicy:
         # rounds that do not: on a small target it is a large share of a round, and K > 0
         # must pay for its own
         self.host_cost, self.drafting_host_cost = LinearCost(), LinearCost()
+        self.misprediction = Misprediction()
+        self._modelled: float | None = None  # seconds the model gave the round chosen to draft
         self.shared = {greedy: Acceptance(fading=SHARED_FADING) for greedy in (True, False)}
         self._engines = (target, draft)
         self.measured_acceptance = draft.info.acceptance if draft is not None else ()
@@ -212,10 +222,15 @@ class LoadPolicy:
             if sequence.hit is not None:
                 self.record_lookup(sequence.acceptance, sequence.greedy, sequence.hit)
         self.observe_host(report.requests, report.host_s, report.drafted)
+        if self._modelled is not None and report.drafted:
+            measured = report.verify_s + report.wait_s + report.draft_s + report.host_s
+            self.misprediction.observe(report.requests, measured, self._modelled)
 
     def observe_verify(self, tokens: int, seconds: float, alone: bool = False) -> None:
         """`alone`: the target ran alone (no pre-speculation beside it): its own curve."""
-        (self.alone_cost if alone else self.verify_cost).observe(tokens, seconds)
+        following = TRIAL_FOLLOWING if self._trial else FOLLOWING
+        (self.alone_cost if alone else self.verify_cost).observe(tokens, seconds, following=following)
+        self._trial = False
 
     def observe_drafting(self, requests: int, steps: int, seconds: float) -> None:
         if steps:
@@ -265,9 +280,12 @@ class LoadPolicy:
     def choose(self, batch) -> list[Plan]:
         """The plan of each `batch` entry (a `decoding.Sequence`: its `k`, `adapts`,
         `steered`, `acceptance`, `greedy`, `prespeculating`, `room`, `draft_lag` and last `plan`)."""
+        self._modelled = None
         if not any(sequence.adapts or sequence.steered for sequence in batch):
             return [Plan(most_drafts(s), s.prespeculating) for s in batch]  # as each asked
         candidates, ks = self._chosen(batch, [self._candidate(sequence) for sequence in batch])
+        if any(ks):  # the choice drafts (a probe's round is priced apart): its price is checked
+            self._modelled = self._modelled_seconds(candidates, ks)
         for greedy in self._since_probe:
             self._since_probe[greedy] += 1
         branches = self._branch_rows(candidates, ks)
@@ -377,8 +395,14 @@ class LoadPolicy:
         return [measured[min(depth, len(measured) - 1)] for depth in range(depths)]
 
     def _round_seconds(self, candidates, ks) -> float:
-        """T(K). Without pre-speculation nothing of the draft's overlaps the verification,
-        so the target verifies alone, on both cores (`alone_cost`)."""
+        """T(K): the model's seconds, a drafting round's corrected by what such rounds of
+        this many requests measured against it."""
+        modelled = self._modelled_seconds(candidates, ks)
+        return modelled * self.misprediction(len(candidates)) if any(ks) else modelled
+
+    def _modelled_seconds(self, candidates, ks) -> float:
+        """T(K) from the curves. Without pre-speculation nothing of the draft's overlaps
+        the verification, so the target verifies alone, on both cores (`alone_cost`)."""
         drafting = [(c, k) for c, k in zip(candidates, ks) if k]
         speculating = [k for c, k in drafting if c.prespeculating]
         verify = self._verify_seconds(sum(k + 1 for k in ks), alone=not speculating)
@@ -419,11 +443,12 @@ class LoadPolicy:
     def runs_alone(self, tokens: int) -> bool:
         """Whether a round of `tokens` without pre-speculation verifies on the wide session:
         unless the curves say it is the slower (on a busy machine two threads wait for each
-        other). Once a period the other session runs instead, so both curves stay measured."""
+        other). Once a period the other session runs instead, so both curves stay measured,
+        and that one measurement moves its curve half way (`TRIAL_FOLLOWING`)."""
         if not self.alone:
             return False
         self._unspeculated_rounds += 1
-        other = self._unspeculated_rounds % PROBE_PERIOD == 0
+        other = self._trial = self._unspeculated_rounds % PROBE_PERIOD == 0
         if not (self.alone_cost.known and self.verify_cost.known):  # not calibrated: measured as it runs
             return not other
         faster = self.alone_cost(tokens) <= self.verify_cost(tokens)
