@@ -6,27 +6,40 @@ import math
 
 import pytest
 
-from saguaro.benchmarks.load_bench import main
+from saguaro.benchmarks.load_bench import Level, main, merged
 
 pytestmark = pytest.mark.server
 
 
 def test_the_load_benchmark_measures_every_mode_at_every_concurrency(tiny_engines, tmp_path, capsys):
     out = tmp_path / "figures"
-    assert main(["--engines", str(tiny_engines), "--concurrency", "1,3", "--max-tokens", "8",
+    assert main(["--engines", str(tiny_engines), "--concurrency", "1,3", "--max-tokens", "8", "--repeats", "2",
                  "--min-requests", "3", "--modes", "ar,ssd", "--no-sampled", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     levels = json.loads((out / "load.json").read_text())["greedy"]
     assert [(level["mode"], level["concurrency"]) for level in levels] == [
         ("batched AR", 1), ("batched AR", 3), ("batched SSD policy", 1), ("batched SSD policy", 3)]
     for level in levels:
-        assert level["requests"] == max(3, 2 * level["concurrency"]) and level["tokens"] == 8 * level["requests"]
+        assert level["runs"] == 2 and level["requests"] == 2 * max(3, 2 * level["concurrency"])
+        assert level["tokens"] == 8 * level["requests"] == 8 * len(level["itl_ms"])
         assert all(math.isfinite(level[name]) and level[name] > 0 for name in
                    ("tokens_per_s", "itl_ms_p50", "ttft_ms_p50", "mean_batch")), level
         assert level["mean_batch"] <= level["concurrency"]
     assert all(level["mean_k"] == 0 for level in levels if level["mode"] == "batched AR")
     assert "targets (measured ratios):" in printed and "batched SSD policy" in printed
     measured = [(line[:22].strip(), int(line[22:27])) for line in printed.splitlines()
-                if line.startswith("batched") and line[22:27].strip().isdigit()]
-    # measured level by level, the modes in turn, the order turned at the next level
-    assert measured[:4] == [("batched AR", 1), ("batched SSD policy", 1), ("batched SSD policy", 3), ("batched AR", 3)]
+                if line.startswith("batched") and line[22:27].strip().isdigit() and "runs)" not in line]
+    # measured level by level, the modes in turn, the order turned at each repeat and level
+    ar, ssd = "batched AR", "batched SSD policy"
+    assert measured == [(ar, 1), (ssd, 1), (ssd, 1), (ar, 1), (ssd, 3), (ar, 3), (ar, 3), (ssd, 3)]
+
+
+def test_runs_of_a_level_count_as_one_their_tokens_over_their_seconds():
+    def run(tokens, seconds, itl, batch, cpu):
+        return Level("batched AR", 4, 2, tokens, seconds, tokens / seconds, 0.0, 0.0, 0.0, 0.0, batch, 0.0,
+                     {"server": cpu}, itl_ms=itl, ttft_ms=[1.0, 2.0])
+    one = merged([run(100, 1.0, [10.0, 12.0], 4.0, 5.0), run(300, 3.0, [20.0, 30.0], 3.0, 1.0)])
+    assert (one.runs, one.requests, one.tokens, one.tokens_per_s) == (2, 4, 400, 100.0)
+    assert (one.itl_ms_p50, one.itl_ms_p99) == (20.0, 30.0)  # over every request of both runs
+    assert one.mean_batch == pytest.approx(3.25)  # by time
+    assert one.cpu_ms_per_token["server"] == pytest.approx(2.0)  # by tokens

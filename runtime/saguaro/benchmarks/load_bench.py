@@ -9,7 +9,11 @@ Two servers over the same engines, one after the other: the iteration-level sche
 policy), then the baseline it replaces, every request decoded alone in a thread of its
 own (`--batching per-request`). At each concurrency C, C clients each keep one streaming
 request in flight until the level's requests are done; a server's modes take turns level
-by level, so that a ratio compares figures measured minutes apart at most. Per mode and C: total output
+by level, so that a ratio compares figures measured minutes apart at most; with `--repeats
+N` each level runs N times per mode, the order turned each time, and each mode's runs
+count as one (their tokens over their seconds: on a shared 2-core machine one run's
+figure moves by a tenth, more than the differences the load policy's targets ask
+about). Per mode and C: total output
 tokens/s, per-request inter-token latency and time to first token (p50/p99), and, from
 the server's metrics, the mean batch size and mean K per round. A sampled check
 (temperature 0.8, C = 1) follows. Figures are printed (and written as JSON and a PNG
@@ -24,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +81,26 @@ class Level:
     mean_batch: float
     mean_k: float
     cpu_ms_per_token: dict  # CPU time of each process (the server's, the client) per output token
+    runs: int = 1
+    itl_ms: list[float] = field(default_factory=list)   # each request's
+    ttft_ms: list[float] = field(default_factory=list)  # each request's
+
+
+def merged(runs: list[Level]) -> Level:
+    """Runs of one mode at one concurrency as one: tokens over seconds, percentiles over
+    every request, the server's means and CPU weighted by each run's share."""
+    tokens, seconds = sum(run.tokens for run in runs), sum(run.seconds for run in runs)
+    itl = [value for run in runs for value in run.itl_ms]
+    ttft = [value for run in runs for value in run.ttft_ms]
+    by_time = [run.seconds / seconds for run in runs]
+    by_tokens = [run.tokens / max(tokens, 1) for run in runs]
+    cpu = {name: round(sum(share * run.cpu_ms_per_token.get(name, 0.0) for share, run in zip(by_tokens, runs)), 4)
+           for name in dict.fromkeys(name for run in runs for name in run.cpu_ms_per_token)}
+    first = runs[0]
+    return Level(first.mode, first.concurrency, sum(run.requests for run in runs), tokens, seconds, tokens / seconds,
+                 percentile(itl, 0.5), percentile(itl, 0.99), percentile(ttft, 0.5), percentile(ttft, 0.99),
+                 sum(share * run.mean_batch for share, run in zip(by_time, runs)),
+                 sum(share * run.mean_k for share, run in zip(by_time, runs)), cpu, len(runs), itl, ttft)
 
 
 def percentile(values: list[float], share: float) -> float:
@@ -156,7 +180,8 @@ def run_level(url: str, metrics_port: int, mode: Mode, concurrency: int, request
                  percentile(itl, 0.5), percentile(itl, 0.99), percentile(ttft, 0.5), percentile(ttft, 0.99),
                  histogram_mean(before, after, "ssd_batch_size"),
                  growth_ratio(before, after, "ssd_verified_draft_tokens_total", "ssd_rounds_total"),
-                 {name: round(1000 * seconds / max(tokens, 1), 4) for name, seconds in cpu.items()})
+                 {name: round(1000 * seconds / max(tokens, 1), 4) for name, seconds in cpu.items()},
+                 itl_ms=itl, ttft_ms=ttft)
 
 
 def level_name(mode: Mode, path: str) -> str:
@@ -172,9 +197,10 @@ def serve_for(engines: Path, batching: str, run_dir: Path, max_concurrency: int 
 
 
 def print_level(level: Level) -> None:
+    runs = f" ({level.runs} runs)" if level.runs > 1 else ""
     print(f"{level.mode:22s} {level.concurrency:4d} {level.tokens_per_s:9.1f} {level.itl_ms_p50:8.2f} "
           f"{level.itl_ms_p99:8.2f} {level.ttft_ms_p50:8.1f} {level.ttft_ms_p99:8.1f} "
-          f"{level.mean_batch:6.2f} {level.mean_k:5.2f}", flush=True)
+          f"{level.mean_batch:6.2f} {level.mean_k:5.2f}{runs}", flush=True)
 
 
 HEADER = (f"{'mode':22s} {'C':>4s} {'tok/s':>9s} {'ITL p50':>8s} {'ITL p99':>8s} {'TTFT p50':>8s} "
@@ -196,16 +222,23 @@ def run_modes(args, modes: list[Mode], extra: dict, concurrency: tuple[int, ...]
                 for mode, path in served:
                     run_level(url, server.ports.metrics, mode, 1, 2, args.max_tokens, extra, path)  # warm-up
                 for index, c in enumerate(concurrency):
-                    for mode, path in interleaved(served, index):
-                        level = run_level(url, server.ports.metrics, mode, c, max(args.min_requests, 2 * c),
-                                          args.max_tokens, extra, path, processes)
-                        print_level(level)
-                        levels.append(level)
+                    runs: dict[str, list[Level]] = {}
+                    for repeat in range(args.repeats):
+                        for mode, path in interleaved(served, index + repeat):
+                            level = run_level(url, server.ports.metrics, mode, c, max(args.min_requests, 2 * c),
+                                              args.max_tokens, extra, path, processes)
+                            print_level(level)
+                            runs.setdefault(level.mode, []).append(level)
+                    for mode_runs in runs.values():
+                        levels.append(merged(mode_runs))
+                        if args.repeats > 1:
+                            print_level(levels[-1])
     return sorted(levels, key=lambda level: (names.index(level.mode), level.concurrency))
 
 
 def interleaved(served: list, index: int) -> list:
-    """The modes of one concurrency level, in turn, the order turned at every other level:
+    """The modes of one concurrency level, in turn, the order turned at every other level
+    (and every other repeat):
     a busy spell of the shared machine then slows the modes a ratio compares alike, where
     running each mode's whole sweep in turn had autoregressive and SSD minutes apart."""
     return served if index % 2 == 0 else served[::-1]
@@ -288,6 +321,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="concurrent streams per level (default %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (end token ignored)")
     parser.add_argument("--min-requests", type=int, default=4, help="requests per level: max(this, 2 C)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each mode at each level, the order turned each time, counted as one")
     parser.add_argument("--max-concurrency", type=int, help="the servers' KV slots used (default: all)")
     parser.add_argument("--modes", default=",".join(m.key for m in MODES),
                         help="which modes, of " + ", ".join(m.key for m in MODES) + " (default all)")
@@ -309,8 +344,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.paths = args.paths.split(",")
     if set(args.paths) - set(PATHS):
         parser.error(f"--paths: choose from {', '.join(PATHS)}; got {','.join(args.paths)}")
-    if min(args.concurrency) < 1 or args.max_tokens < 2:
-        parser.error("--concurrency values must be >= 1 and --max-tokens >= 2")
+    if min(args.concurrency) < 1 or args.max_tokens < 2 or args.repeats < 1:
+        parser.error("--concurrency and --repeats values must be >= 1 and --max-tokens >= 2")
     if not (args.engines / "manifest.json").is_file():
         parser.error(f"--engines {args.engines}: no manifest.json (build engines with scripts/build_engines.py)")
     return args
