@@ -6,8 +6,8 @@
   the load policy all measure.
 - `CostCurve`: seconds of a forward by its size, from a calibration's points, following
   the measured rounds; `LinearCost`: a round's host work by its number of requests.
-- `Misprediction`: measured over modelled seconds of the rounds that drafted, by batch
-  size: what the load policy's model of such a round leaves out, learnt as it serves.
+- `Misprediction`: measured over modelled seconds of what drafting added to a round, by
+  batch size: what the load policy's model of such a round leaves out, learnt as it serves.
 - `hidden_branches`: the one rule for how many branches hide under a verification. The
   build's calibration applies it at batch 1 (the default fan-out a request gets before any
   round ran); the load policy applies it every round, on the curves it follows.
@@ -30,6 +30,7 @@ MOST_BRANCHES = 1 << 12           # per request: beyond any engine's built maxim
 # round the model priced a fifth low at 4 streams is corrected within the 8 rounds a batch
 # keeps its choice, rather than the dozens a cost curve's `FOLLOWING` would take
 MISPREDICTION_FOLLOWING = 0.2
+MOST_MISPREDICTION = 4.0  # one round's measured over modelled is taken within this factor either way
 
 
 def calibration_context(max_context: int) -> int:
@@ -242,24 +243,29 @@ class LinearCost:
 
 
 class Misprediction:
-    """Measured over modelled seconds of the rounds a load policy chose to draft in, by the
-    number of requests in the round (its geometric mean, older rounds fading); a size not
-    measured takes the factor interpolated between the sizes measured, the nearest one's
-    beyond them, 1 before any. The model prices each part of a drafting round from its own
-    curve, and what no curve holds shows here: at 4 streams on SmolLM2 (int8) rounds of
-    K = 1 took 36.4 ms where the model said 30.7 (the draft caches' catch-up paid again
-    each time K came back after rounds at K = 0, and verifications a batch made wider ran
-    slower than their curve), and the policy, drafting on that price, ran at 0.83-0.93x
-    autoregressive speed; at one stream the model was right within 2%."""
+    """Measured over modelled seconds of what drafting added to the rounds a load policy
+    chose to draft in (the round's time less the model's price of the same batch drafting
+    nothing), by the number of requests in the round: its geometric mean, older rounds
+    fading, one round's ratio taken within `MOST_MISPREDICTION` either way (beyond that a
+    round was preempted, which says nothing of the model); a size not measured takes the
+    factor interpolated between the sizes measured, the nearest one's beyond them, 1
+    before any. The model prices each part of a drafting round from its own curve, and
+    what no curve holds shows here: at 4 streams on SmolLM2 (int8) rounds of K = 1 took
+    36.4 ms where the model said 30.7, against 19.5 for a round without drafts (the draft
+    caches' catch-up paid again each time K came back after rounds at K = 0,
+    verifications a batch made wider slower than their curve), and the policy, drafting on
+    that price, ran at 0.83-0.93x autoregressive speed; at one stream the model was right
+    within 2%."""
 
     def __init__(self):
         self.factors: dict[int, float] = {}
 
     def observe(self, requests: int, measured_s: float, modelled_s: float) -> None:
-        if measured_s <= 0 or modelled_s <= 0:
+        if modelled_s <= 0:
             return
+        ratio = min(max(measured_s / modelled_s, 1 / MOST_MISPREDICTION), MOST_MISPREDICTION)
         factor = self(requests)
-        self.factors[requests] = factor * (measured_s / (modelled_s * factor)) ** MISPREDICTION_FOLLOWING
+        self.factors[requests] = factor * (ratio / factor) ** MISPREDICTION_FOLLOWING
         self.factors = dict(sorted(self.factors.items()))
 
     def __call__(self, requests: int) -> float:

@@ -23,8 +23,9 @@ The policy models a round from what the decoder measures as it runs:
                 r's draft cache lacks beyond K_r + 1, L their sum, fed in one forward before
                 the first draft step: paid once, so spread over R_r(K) = room_r / E_r(K), the
                 rounds the request has left)
-                and for a round that drafts, times m(n): measured over modelled seconds of
-                the drafting rounds of n requests (`costs.Misprediction`: what no curve holds)
+                and for a round that drafts, what it adds to T(0) times m(n): measured over
+                modelled of what the drafting rounds of n requests added (`costs.Misprediction`:
+                what no curve holds)
 
 and picks the K of every request that maximises the batch's tokens per second,
 `sum E_r(K_r) / T(K)`: the best K shared by all first, then one pass that moves each
@@ -204,8 +205,11 @@ class LoadPolicy:
         # rounds that do not: on a small target it is a large share of a round, and K > 0
         # must pay for its own
         self.host_cost, self.drafting_host_cost = LinearCost(), LinearCost()
-        self.misprediction = Misprediction()
-        self._modelled: float | None = None  # seconds the model gave the round chosen to draft
+        # by whether the round pre-speculates: its overrun and hits are errors of their own
+        self.misprediction = {speculating: Misprediction() for speculating in (True, False)}
+        # the round chosen to draft: the model's seconds for it and for the same batch drafting
+        # nothing, and whether it pre-speculates
+        self._modelled: tuple[float, float, bool] | None = None
         self.shared = {greedy: Acceptance(fading=SHARED_FADING) for greedy in (True, False)}
         self._engines = (target, draft)
         self.measured_acceptance = draft.info.acceptance if draft is not None else ()
@@ -223,8 +227,9 @@ class LoadPolicy:
                 self.record_lookup(sequence.acceptance, sequence.greedy, sequence.hit)
         self.observe_host(report.requests, report.host_s, report.drafted)
         if self._modelled is not None and report.drafted:
+            modelled, undrafted, speculating = self._modelled
             measured = report.verify_s + report.wait_s + report.draft_s + report.host_s
-            self.misprediction.observe(report.requests, measured, self._modelled)
+            self.misprediction[speculating].observe(report.requests, measured - undrafted, modelled - undrafted)
 
     def observe_verify(self, tokens: int, seconds: float, alone: bool = False) -> None:
         """`alone`: the target ran alone (no pre-speculation beside it): its own curve."""
@@ -285,7 +290,8 @@ class LoadPolicy:
             return [Plan(most_drafts(s), s.prespeculating) for s in batch]  # as each asked
         candidates, ks = self._chosen(batch, [self._candidate(sequence) for sequence in batch])
         if any(ks):  # the choice drafts (a probe's round is priced apart): its price is checked
-            self._modelled = self._modelled_seconds(candidates, ks)
+            self._modelled = (self._modelled_seconds(candidates, ks), self._modelled_seconds(candidates, [0] * len(ks)),
+                              prespeculates(candidates, ks))
         for greedy in self._since_probe:
             self._since_probe[greedy] += 1
         branches = self._branch_rows(candidates, ks)
@@ -395,10 +401,15 @@ class LoadPolicy:
         return [measured[min(depth, len(measured) - 1)] for depth in range(depths)]
 
     def _round_seconds(self, candidates, ks) -> float:
-        """T(K): the model's seconds, a drafting round's corrected by what such rounds of
-        this many requests measured against it."""
+        """T(K): the model's seconds; for a drafting round, what drafting adds to the round
+        corrected by what it added in such rounds of this many requests, measured against
+        the model (never below the round without drafts: it does all that round does)."""
         modelled = self._modelled_seconds(candidates, ks)
-        return modelled * self.misprediction(len(candidates)) if any(ks) else modelled
+        if not any(ks):
+            return modelled
+        undrafted = self._modelled_seconds(candidates, [0] * len(ks))
+        correction = self.misprediction[prespeculates(candidates, ks)](len(candidates))
+        return undrafted + correction * max(modelled - undrafted, 0.0)
 
     def _modelled_seconds(self, candidates, ks) -> float:
         """T(K) from the curves. Without pre-speculation nothing of the draft's overlaps
@@ -518,6 +529,11 @@ def probe_period(rejected: int) -> int:
     catch-up and a wider verify had cost the policy a tenth of autoregressive speed at 2-4
     streams through the server), and one accepted draft brings the period back."""
     return PROBE_PERIOD << min(rejected, PROBE_BACKOFF)
+
+
+def prespeculates(candidates: list["_Candidate"], ks: list[int]) -> bool:
+    """Some request drafts and pre-speculates its outcomes this round."""
+    return any(c.prespeculating and k for c, k in zip(candidates, ks))
 
 
 def without_prespeculation(candidates: list["_Candidate"]) -> list["_Candidate"]:
