@@ -2,6 +2,7 @@
 set by hand here (as if measured), so each test knows which K pays; then the policy on
 real engines with drafts that never agree, or agree once they did not, and the target's
 wide session (`run_alone`)."""
+import math
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -12,6 +13,7 @@ from saguaro.runtime.control.costs import CostCurve, LinearCost, Misprediction
 from saguaro.runtime.control.load_policy import (
     PROBE_DRAFTS,
     PROBE_PERIOD,
+    PROBE_SHARE,
     REPLAN_ROUNDS,
     Acceptance,
     LoadPolicy,
@@ -292,6 +294,35 @@ def test_a_batch_probes_once_a_period_not_once_per_request():
     # the sampled request probed beside the greedy one, on its own period (doubled after its
     # rejected probe: alone of its kind, its own back-off is the kind's)
     assert [round_ for round_, indices in enumerate(probes) if 4 in indices] == [0]
+
+
+def test_probes_whose_rounds_cost_more_than_their_share_are_spaced_out():
+    """A sampled request at one stream: a probe's round took 25-28 ms against 14-15 for a
+    round without one (the draft first caught up the tokens it had missed). Probes are
+    spaced so that they take at most PROBE_SHARE of the rounds' time: a request due after
+    PROBE_PERIOD quiet rounds waits until the spacing has passed; cheap probes keep the
+    period."""
+    policy = policy_with(measured(0.005, 0.00002), measured(0.0002, 0.00001), acceptance=0.0)
+    for _ in range(3):
+        policy.observe_probe(0.012, 0.014)
+    assert policy.probe_spacing == math.ceil(0.012 / (PROBE_SHARE * 0.014)) > 2 * PROBE_PERIOD
+    plans = rounds_of(policy, FakeSequence(plan=Plan(0, quiet=PROBE_PERIOD)), 2 * policy.probe_spacing,
+                      accepts=lambda k: 0)
+    probes = [i for i, plan in enumerate(plans) if plan.probe]
+    assert probes[0] == policy.probe_spacing - PROBE_PERIOD - 1  # not at once: the spacing first
+    cheap = policy_with(measured(0.005, 0.00002), measured(0.0002, 0.00001), acceptance=0.0)
+    cheap.observe_probe(0.0001, 0.014)
+    assert cheap.probe_spacing == PROBE_PERIOD
+    assert cheap.choose([FakeSequence(plan=Plan(0, quiet=PROBE_PERIOD))])[0].probe
+
+
+def test_a_probes_round_is_measured_against_its_price_without_the_probe():
+    policy = policy_with(measured(0.005, 0.00002), measured(0.0002, 0.00001), acceptance=0.0)
+    sequence = FakeSequence(plan=Plan(0, quiet=PROBE_PERIOD))
+    plan = policy.choose([sequence])[0]
+    assert plan.probe and policy._probe_priced is not None
+    policy.observe_round(RoundReport(1, 2, verify_s=policy._probe_priced + 0.012, alone=True, drafted=True))
+    assert policy.probe_cost == pytest.approx(0.012)
 
 
 def test_no_catch_up_while_nothing_could_draft_at_this_load():
@@ -588,7 +619,7 @@ def test_generate_says_what_the_policy_chose():
         off.record_round(accepted, drafted, probe)
     assert policy_summary(off.as_dict()) == ("load policy: K per round 0 in 94% of rounds (speculation off: "
                                              "acceptance 0.12 does not pay for drafting at these costs); K > 0 in 4 "
-                                             f"rounds, probes every {PROBE_PERIOD} rounds (2 probed)")
+                                             f"rounds, probes at least {PROBE_PERIOD} rounds apart (2 probed)")
     on = GenerationStats("ssd", 4)
     for accepted, drafted, prespeculated in [(3, 4, True)] * 9 + [(0, 2, False)]:
         on.record_round(accepted, drafted, prespeculated=prespeculated)

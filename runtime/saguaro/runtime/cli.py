@@ -66,7 +66,7 @@ def policy_summary(stats: dict) -> str:
     speculated and pre-speculated, and the acceptance its drafts showed."""
     rounds, by_k, probes = max(stats["rounds"], 1), stats["rounds_by_k"], stats["probe_rounds"]
     acceptance = f"acceptance {stats['verified_acceptance']:.2f}" if stats["drafted_tokens"] else "no acceptance yet"
-    probing = f"probes every {PROBE_PERIOD} rounds ({probes} probed)" if probes else "no probe"
+    probing = f"probes at least {PROBE_PERIOD} rounds apart ({probes} probed)" if probes else "no probe"
     if by_k[0] > rounds / 2:
         drafted = rounds - by_k[0]
         return (f"load policy: K per round 0 in {by_k[0] / rounds:.0%} of rounds (speculation off: {acceptance} "

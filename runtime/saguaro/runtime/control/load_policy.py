@@ -41,7 +41,8 @@ pays, every request that may draft gets K = 0. Its acceptance is then measured b
 probe: one round in `PROBE_PERIOD` drafts `PROBE_DRAFTS` token(s), not pre-speculated (a
 draft step on the critical path and a verify one token wider, amortised over the
 period, which doubles with each probe in a row that accepted nothing, up to 2^`PROBE_BACKOFF`
-periods); a probe whose drafts were all accepted is followed by another, so that a draft
+periods, and is never so short that the probes' measured cost passes `PROBE_SHARE` of the
+rounds' time); a probe whose drafts were all accepted is followed by another, so that a draft
 that got better is seen within a few rounds, and speculation comes back as soon as the
 estimate says it pays. Rounds that verify no drafts fade no counts, so the estimate stays
 what the last drafts showed rather than drifting back to the optimistic prior.
@@ -66,6 +67,7 @@ A request that pins its K (`adapt_k` off: `--fixed-k`, or a server request that 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from saguaro.runtime.control.calibration import measure_calibration
@@ -79,6 +81,11 @@ UNSEEN_ACCEPTANCE, UNSEEN_HIT_RATE = 0.8, 0.5
 PROBE_PERIOD = 32   # rounds: with speculation off, a request drafts in one round of this many ...
 PROBE_DRAFTS = 1    # ... this many drafts, not pre-speculated, so that its acceptance stays measured
 PROBE_BACKOFF = 3   # the period doubles with each probe in a row whose drafts were all rejected, up to 2^this
+# Probes may take at most this share of the rounds' time: a probe whose round costs more
+# than the period's share of it (a draft that first catches up the tokens of the rounds it
+# missed: 25-28 ms against 14-15 for a sampled round at one stream) is spaced out further.
+PROBE_SHARE = 0.01
+PROBE_COST_FADING = 0.7  # weight of the earlier probes' measured cost after each new one
 # Rounds a batch keeps its chosen K while it stays the same batch: choosing weighs every K
 # for every request (about 0.15 ms of Python a round at one request, which on the tiny
 # engines was a tenth of a round), and the estimates it weighs move by a few percent a round.
@@ -210,6 +217,9 @@ class LoadPolicy:
         # the round chosen to draft: the model's seconds for it and for the same batch drafting
         # nothing, and whether it pre-speculates
         self._modelled: tuple[float, float, bool] | None = None
+        self._probe_priced: float | None = None  # the model's price of this round without its probe
+        self.probe_cost: float | None = None  # what a probe added to its round, measured (fading)
+        self.probe_spacing = PROBE_PERIOD     # rounds between probes that keeps them within PROBE_SHARE
         self.shared = {greedy: Acceptance(fading=SHARED_FADING) for greedy in (True, False)}
         self._engines = (target, draft)
         self.measured_acceptance = draft.info.acceptance if draft is not None else ()
@@ -230,6 +240,17 @@ class LoadPolicy:
             modelled, undrafted, speculating = self._modelled
             measured = report.verify_s + report.wait_s + report.draft_s + report.host_s
             self.misprediction[speculating].observe(report.requests, measured - undrafted, modelled - undrafted)
+        if self._probe_priced is not None:
+            measured = report.verify_s + report.wait_s + report.draft_s + report.host_s
+            self.observe_probe(measured - self._probe_priced, self._probe_priced)
+
+    def observe_probe(self, added_s: float, round_s: float) -> None:
+        """A probe added `added_s` to a round the model priced at `round_s` without it:
+        probes are spaced so that they take at most `PROBE_SHARE` of the rounds' time."""
+        added_s = max(added_s, 0.0)
+        cost = self.probe_cost
+        self.probe_cost = added_s if cost is None else PROBE_COST_FADING * cost + (1 - PROBE_COST_FADING) * added_s
+        self.probe_spacing = max(PROBE_PERIOD, math.ceil(self.probe_cost / (PROBE_SHARE * max(round_s, 1e-9))))
 
     def observe_verify(self, tokens: int, seconds: float, alone: bool = False) -> None:
         """`alone`: the target ran alone (no pre-speculation beside it): its own curve."""
@@ -285,7 +306,7 @@ class LoadPolicy:
     def choose(self, batch) -> list[Plan]:
         """The plan of each `batch` entry (a `decoding.Sequence`: its `k`, `adapts`,
         `steered`, `acceptance`, `greedy`, `prespeculating`, `room`, `draft_lag` and last `plan`)."""
-        self._modelled = None
+        self._modelled = self._probe_priced = None
         if not any(sequence.adapts or sequence.steered for sequence in batch):
             return [Plan(most_drafts(s), s.prespeculating) for s in batch]  # as each asked
         candidates, ks = self._chosen(batch, [self._candidate(sequence) for sequence in batch])
@@ -297,8 +318,11 @@ class LoadPolicy:
         branches = self._branch_rows(candidates, ks)
         plans = [Plan(k, c.prespeculating, branches if c.steered and c.prespeculating and k else None)
                  for c, k in zip(candidates, ks)]
-        return [self._probed(plan, sequence, candidates, ks, index)
-                for index, (plan, sequence) in enumerate(zip(plans, batch))]
+        plans = [self._probed(plan, sequence, candidates, ks, index)
+                 for index, (plan, sequence) in enumerate(zip(plans, batch))]
+        if any(plan.probe for plan in plans):
+            self._probe_priced = self._round_seconds(candidates, ks)
+        return plans
 
     def _probed(self, plan: Plan, sequence, candidates: list["_Candidate"], ks: list[int], index: int) -> Plan:
         """With speculation off (K = 0 chosen for a request that may draft), the plan of a
@@ -306,10 +330,10 @@ class LoadPolicy:
         that the request's acceptance is measured again and speculation comes back once it
         pays. A probe whose drafts were all accepted is followed by another, so that a draft
         that got better is measured in a few rounds rather than a few periods; each probe in
-        a row that accepted nothing doubles the period (up to `PROBE_BACKOFF` times). The
-        period is the batch's too: a request probes only if no request of its kind probed
-        within it (`_since_probe`). A
-        probe is skipped while drafting could not pay at this load whatever it measured
+        a row that accepted nothing doubles the period (up to `PROBE_BACKOFF` times), and
+        the period is at least `probe_spacing` (probes within `PROBE_SHARE` of the rounds'
+        time). The period is the batch's too: a request probes only if no request of its
+        kind probed within it (`_since_probe`). A probe is skipped while drafting could not pay at this load whatever it measured
         (`_could_pay`; once per choice while no request drafts, `_nothing_could_pay`: asked
         of every due request every round it had been a fifth of the decode loop's Python at 8
         streams), and made as soon as it could."""
@@ -319,7 +343,7 @@ class LoadPolicy:
         last, (verified, accepted) = sequence.plan, sequence.acceptance.last
         confirmed = last.probe and verified and accepted == verified
         rejected = rejected_probes(last, verified, accepted)
-        period = probe_period(rejected)
+        period = max(probe_period(rejected), self.probe_spacing)
         due = confirmed or (last.quiet + 1 >= period and self._since_probe[sequence.greedy] >= period)
         if due and not self._hopeless and self._could_pay(candidates, ks, index):
             self._since_probe[sequence.greedy] = 0
