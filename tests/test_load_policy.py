@@ -620,6 +620,12 @@ def test_generate_says_what_the_policy_chose():
     assert policy_summary(off.as_dict()) == ("load policy: K per round 0 in 94% of rounds (speculation off: "
                                              "acceptance 0.12 does not pay for drafting at these costs); K > 0 in 4 "
                                              f"rounds, probes at least {PROBE_PERIOD} rounds apart (2 probed)")
+    never = GenerationStats("ssd", 4)
+    for _ in range(8):
+        never.record_round(0, 0, False)
+    assert policy_summary(never.as_dict()) == ("load policy: K per round 0 in 100% of rounds (speculation off: the "
+                                               "draft's acceptance as measured when it was made does not pay for "
+                                               "drafting at these costs); K > 0 in 0 rounds, no probe")
     on = GenerationStats("ssd", 4)
     for accepted, drafted, prespeculated in [(3, 4, True)] * 9 + [(0, 2, False)]:
         on.record_round(accepted, drafted, prespeculated=prespeculated)

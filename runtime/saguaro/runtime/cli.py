@@ -65,7 +65,10 @@ def policy_summary(stats: dict) -> str:
     """What the load policy chose over a generation's rounds: K per round, how often it
     speculated and pre-speculated, and the acceptance its drafts showed."""
     rounds, by_k, probes = max(stats["rounds"], 1), stats["rounds_by_k"], stats["probe_rounds"]
-    acceptance = f"acceptance {stats['verified_acceptance']:.2f}" if stats["drafted_tokens"] else "no acceptance yet"
+    # with no drafts in the generation, the policy went by the draft's acceptance as measured
+    # when it was made (its report, carried into the engines)
+    acceptance = (f"acceptance {stats['verified_acceptance']:.2f}" if stats["drafted_tokens"]
+                  else "the draft's acceptance as measured when it was made")
     probing = f"probes at least {PROBE_PERIOD} rounds apart ({probes} probed)" if probes else "no probe"
     if by_k[0] > rounds / 2:
         drafted = rounds - by_k[0]
