@@ -597,9 +597,11 @@ def test_the_wide_session_gives_the_same_logits_and_tokens(tiny_engines):
 
     outputs = {}
     for alone in (True, False):
-        pipeline = Pipeline.load(engines=tiny_engines)
-        decoder = pipeline.schedulers[0].decoder
-        decoder.alone = decoder.load_policy.alone = alone
+        # one decoder on the engines opens the wide session at load (not in its first
+        # request's time); decoders that share the engines never open it
+        pipeline = (Pipeline.load(engines=tiny_engines) if alone
+                    else Pipeline.load(engines=tiny_engines, batching="per-request", max_concurrency=2))
+        assert (pipeline.target._alone_session is not None) == alone
         prompt = pipeline.encode("The with statement")
         outputs[alone] = [pipeline.generate(prompt, DecodeOptions(mode=mode, num_draft_tokens=4, adapt_k=adapt,
                                                                   max_tokens=40, eos_token_id=-1),

@@ -257,7 +257,7 @@ class Misprediction:
     that price, ran at 0.83-0.93x autoregressive speed; at one stream the model was right
     within 2%."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.factors: dict[int, float] = {}
 
     def observe(self, requests: int, measured_s: float, modelled_s: float) -> None:
