@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from saguaro.runtime.cli import policy_summary
+from saguaro.runtime.control.acceptance import Acceptance
 from saguaro.runtime.control.costs import CostCurve, LinearCost, Misprediction
 from saguaro.runtime.control.load_policy import (
     PROBE_DRAFTS,
     PROBE_PERIOD,
     PROBE_SHARE,
     REPLAN_ROUNDS,
-    Acceptance,
     LoadPolicy,
     Plan,
     RoundReport,

@@ -70,14 +70,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from saguaro.runtime.control.acceptance import UNSEEN_ACCEPTANCE, UNSEEN_HIT_RATE, Acceptance
 from saguaro.runtime.control.calibration import measure_calibration
 from saguaro.runtime.control.costs import FOLLOWING, MOST_BRANCHES, CostCurve, LinearCost, Misprediction, hidden_branches
 
 SHARED_FADING = 0.995             # of the acceptance counts shared by all requests (per round with drafts)
-PRIOR_WEIGHT = 8.0                # pseudo-rounds of the shared estimate in a request's own
-# Before anything was measured: optimistic about acceptance, so that the first rounds
-# draft and measure it.
-UNSEEN_ACCEPTANCE, UNSEEN_HIT_RATE = 0.8, 0.5
 PROBE_PERIOD = 32   # rounds: with speculation off, a request drafts in one round of this many ...
 PROBE_DRAFTS = 1    # ... this many drafts, not pre-speculated, so that its acceptance stays measured
 PROBE_BACKOFF = 3   # the period doubles with each probe in a row whose drafts were all rejected, up to 2^this
@@ -95,58 +92,6 @@ REPLAN_ROUNDS = 8
 # had inflated took hundreds of rounds to come back (a third of an autoregressive run at 4
 # streams verified on the one-thread session, 22.2 ms a round against 19.8 on both threads).
 TRIAL_FOLLOWING = 0.5
-
-
-@dataclass
-class Acceptance:
-    """Counts of drafts verified and accepted at each depth 1..K, and of cache lookups;
-    with `fading` < 1 older rounds count less (shared counts follow the workload). A round
-    that verified no drafts tells nothing and fades nothing: with speculation off the
-    estimate stays what the last drafts showed, until a probe measures it again."""
-
-    verified: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
-    hits: float = 0.0
-    lookups: float = 0.0
-    fading: float = 1.0
-    last: tuple[int, int] = (0, 0)  # the last round's (verified, accepted)
-
-    def record(self, verified: int, accepted: int) -> None:
-        self.last = (verified, accepted)
-        if not verified:
-            return
-        if self.fading < 1:
-            self.verified = [self.fading * v for v in self.verified]
-            self.accepted = [self.fading * a for a in self.accepted]
-        while len(self.verified) < verified:
-            self.verified.append(0.0)
-            self.accepted.append(0.0)
-        for depth in range(verified):
-            if depth > accepted:
-                break
-            self.verified[depth] += 1
-            self.accepted[depth] += depth < accepted
-
-    def record_lookup(self, hit: bool) -> None:
-        self.hits, self.lookups = self.fading * self.hits + hit, self.fading * self.lookups + 1
-
-    def rate(self, depth: int, prior: float) -> float:
-        """P(accept the draft at `depth` + 1 | the ones before accepted), smoothed toward `prior`."""
-        seen = self.verified[depth] if depth < len(self.verified) else 0.0
-        taken = self.accepted[depth] if depth < len(self.accepted) else 0.0
-        return (taken + PRIOR_WEIGHT * prior) / (seen + PRIOR_WEIGHT)
-
-    def rates(self, depths: int, priors: list[float] | None = None) -> list[float]:
-        """`rate` at depths 0..depths-1; a depth seen little leans on `priors`, or else on
-        the depth before it (drafts a policy rarely verifies that deep are not assumed bad)."""
-        rates: list[float] = []
-        for depth in range(depths):
-            prior = priors[depth] if priors else (rates[-1] if rates else UNSEEN_ACCEPTANCE)
-            rates.append(self.rate(depth, prior))
-        return rates
-
-    def hit_rate(self, prior: float) -> float:
-        return (self.hits + PRIOR_WEIGHT * prior) / (self.lookups + PRIOR_WEIGHT)
 
 
 @dataclass
@@ -236,13 +181,12 @@ class LoadPolicy:
             if sequence.hit is not None:
                 self.record_lookup(sequence.acceptance, sequence.greedy, sequence.hit)
         self.observe_host(report.requests, report.host_s, report.drafted)
-        if self._modelled is not None and report.drafted:
+        whole = report.verify_s + report.wait_s + report.draft_s + report.host_s
+        if self._modelled is not None and report.drafted:  # checked against its price
             modelled, undrafted, speculating = self._modelled
-            measured = report.verify_s + report.wait_s + report.draft_s + report.host_s
-            self.misprediction[speculating].observe(report.requests, measured - undrafted, modelled - undrafted)
+            self.misprediction[speculating].observe(report.requests, whole - undrafted, modelled - undrafted)
         if self._probe_priced is not None:
-            measured = report.verify_s + report.wait_s + report.draft_s + report.host_s
-            self.observe_probe(measured - self._probe_priced, self._probe_priced)
+            self.observe_probe(whole - self._probe_priced, self._probe_priced)
 
     def observe_probe(self, added_s: float, round_s: float) -> None:
         """A probe added `added_s` to a round the model priced at `round_s` without it:
@@ -333,10 +277,11 @@ class LoadPolicy:
         a row that accepted nothing doubles the period (up to `PROBE_BACKOFF` times), and
         the period is at least `probe_spacing` (probes within `PROBE_SHARE` of the rounds'
         time). The period is the batch's too: a request probes only if no request of its
-        kind probed within it (`_since_probe`). A probe is skipped while drafting could not pay at this load whatever it measured
-        (`_could_pay`; once per choice while no request drafts, `_nothing_could_pay`: asked
-        of every due request every round it had been a fifth of the decode loop's Python at 8
-        streams), and made as soon as it could."""
+        kind probed within it (`_since_probe`). A probe is skipped while drafting could not
+        pay at this load whatever it measured (`_could_pay`; once per choice while no
+        request drafts, `_nothing_could_pay`: asked of every due request every round it had
+        been a fifth of the decode loop's Python at 8 streams), and made as soon as it
+        could."""
         candidate = candidates[index]
         if plan.draft_tokens or not (candidate.adapts and candidate.most):
             return plan

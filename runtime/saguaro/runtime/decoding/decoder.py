@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Callable
 from typing import Sequence as Seq
 
-from saguaro.runtime.control.load_policy import Acceptance, LoadPolicy, Plan, RoundReport, SequenceRound
+from saguaro.runtime.control.acceptance import Acceptance
+from saguaro.runtime.control.load_policy import LoadPolicy, Plan, RoundReport, SequenceRound
 from saguaro.runtime.core.contracts import Draft, RequestTarget, SpeculationCache, VerifyResult, VerifyStep, draft_cache_capacity
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
