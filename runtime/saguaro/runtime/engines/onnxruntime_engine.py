@@ -121,7 +121,8 @@ class OnnxRuntimeEngine(OneSequenceForms):
                  slot_capacity: int, open_alone: Callable[[], ort.InferenceSession] | None = None):
         assert info.limits is not None  # a compiled engine's, from its manifest's build
         self.sessions, self.info, self.tokenizer, self.limits = sessions, info, tokenizer, info.limits
-        self._open_alone, self._alone_session = open_alone, None  # the wide session, opened at first use
+        # the wide session, opened at first use (a decoder that may run alone opens it when made)
+        self._open_alone, self._alone_session = open_alone, None
         self._running = threading.local()  # .alone: this thread's forwards use the wide session; .bindings
         self.layers, self.vocab_size = shape["num_layers"], shape["vocab_size"]
         self.pool = KVPool(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
