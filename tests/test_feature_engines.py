@@ -147,6 +147,22 @@ def test_the_head_graph_computes_the_heads_forward(engines, references):
         draft.verify_batch([])
 
 
+def test_the_head_graph_scores_its_rows_and_the_engine_spreads_them(fp32_dir, engines, references):
+    """The graph returns the head's `draft_vocab_size` scores per position (spreading them
+    over the vocabulary inside the graph had been a third of a step); its metadata names
+    each row's token, the head's `d2t` map, which the engine spreads them onto."""
+    (_, draft), head = engines, references[1].head
+    model = onnx.load(str(fp32_dir / "draft" / "model.onnx"), load_external_data=False)
+    (logits,) = [output for output in model.graph.output if output.name == "logits"]
+    assert logits.type.tensor_type.shape.dim[-1].dim_value == head.shape.draft_vocab_size < head.shape.vocab_size
+    assert draft.scored_tokens is not None
+    assert torch.equal(draft.scored_tokens, torch.arange(head.shape.draft_vocab_size) + head.d2t)
+    scores = torch.randn(2, 3, head.shape.draft_vocab_size)
+    spread = draft.spread(scores)
+    assert torch.equal(spread[..., draft.scored_tokens], scores)
+    assert int((spread == UNSCORED).sum()) == 2 * 3 * (head.shape.vocab_size - head.shape.draft_vocab_size)
+
+
 @pytest.mark.parametrize("k", [1, K])
 def test_greedy_sd_and_ssd_over_the_feature_pair_equal_the_target_alone(engines, k):
     pipeline = Pipeline(*engines)

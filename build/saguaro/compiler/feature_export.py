@@ -6,15 +6,15 @@ every op but what goes into it.
              -> packed QKV -> GroupQueryAttention -> o projection
              -> SkipSimplifiedLayerNormalization (the residual: the feature itself)
              -> gate, up -> SiLU * up -> down -> SkipSimplifiedLayerNormalization
-             (its sum: hidden_out) -> lm_head over the draft vocabulary
-             -> spread over the target vocabulary, `UNSCORED` elsewhere
+             (its sum: hidden_out) -> lm_head over the draft vocabulary (the
+             engine spreads those scores over the target vocabulary: `scored_tokens`)
     project  the target's joined features -> fc -> the head's hidden width
 
 The head's embedding table is the target's (`embed_tokens`), held in the head's graph.
 
 I/O of `model`: `fused_export`'s inputs, plus `hidden` [B, S, hidden] float32 (for the
-token at p, the feature of p - 1) and one layer of past K/V -> logits [B, S, vocab]
-float32, `hidden_out` [B, S, hidden] float32, present_key.0, present_value.0. `project`:
+token at p, the feature of p - 1) and one layer of past K/V -> logits [B, S,
+draft_vocab_size] float32 (the metadata's `SCORED_TOKENS_KEY` names each row's token), `hidden_out` [B, S, hidden] float32, present_key.0, present_value.0. `project`:
 `features` [N, feature_width] float32 -> `projected` [N, hidden] float32. Both graphs are
 quantised as the models' are (`fused_export.quantize`: int8 / int4 MatMulNBits).
 """
@@ -35,12 +35,14 @@ from saguaro.compiler.fused_export import (
     graph_inputs,
     kv_value,
     lm_head,
+    logits_output,
     mlp,
     quantize,
     rope_caches,
     save_model,
     skip_norm,
     weight_constant,
+    with_scored_tokens,
 )
 from saguaro.runtime.models.feature_head import FeatureHead
 from saguaro.runtime.models.llama import LlamaShape
@@ -96,7 +98,7 @@ def head_graph(head: FeatureHead, precision: str, max_positions: int) -> onnx.Mo
     inputs = [*graph_inputs(shape),
               helper.make_tensor_value_info(HIDDEN_INPUT, float32, ["batch", "seq", shape.hidden_size]),
               kv_value("past_key.0", shape), kv_value("past_value.0", shape)]
-    outputs = [helper.make_tensor_value_info("logits", float32, ["batch", "seq", shape.vocab_size]),
+    outputs = [logits_output(shape),
                helper.make_tensor_value_info(HIDDEN_OUTPUT, float32, ["batch", "seq", shape.hidden_size]),
                kv_value("present_key.0", shape), kv_value("present_value.0", shape)]
     return finished_model(g, "model", inputs, outputs)
@@ -114,5 +116,7 @@ def project_graph(head: FeatureHead) -> onnx.ModelProto:
 
 def export_head(head: FeatureHead, folder: Path, precision: str, max_positions: int) -> dict[str, Path]:
     """The head's `model` and `project` graphs at `precision` in `folder`; stem -> path."""
-    return {"model": save_model(quantize(head_graph(head, precision, max_positions), precision), folder / "model.onnx"),
+    model = with_scored_tokens(quantize(head_graph(head, precision, max_positions), precision), layer_shape(head),
+                               layer_state(head))
+    return {"model": save_model(model, folder / "model.onnx"),
             "project": save_model(quantize(project_graph(head), precision), folder / "project.onnx")}

@@ -54,7 +54,8 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from saguaro.runtime.models.llama import UNSCORED, Features, LlamaShape, rope_inverse_frequencies
+from saguaro.runtime.engines.onnxruntime_engine import SCORED_TOKENS_KEY
+from saguaro.runtime.models.llama import Features, LlamaShape, rope_inverse_frequencies
 
 MS_DOMAIN = "com.microsoft"
 OPSET = 23  # RMSNormalization
@@ -255,10 +256,10 @@ def skip_norm(g: GraphWriter, hidden: str, residual: str | None, weight: str, ep
 def lm_head(g: GraphWriter, shape: LlamaShape, state: dict, x: str, embed: str, precision: str) -> str:
     """Tied embeddings at fp32 reuse the table through Gemm(transB) instead of a second copy;
     quantised precisions quantise their own (small) copy. A draft that scores part of the
-    vocabulary (`output_vocab`) spreads its rows over the whole vocabulary, every other
-    token at `UNSCORED` (probability 0), as `llama.Llama` does."""
+    vocabulary (`output_vocab`) returns its rows' scores as they are: the engine spreads
+    them over the whole vocabulary (`scored_tokens` says which token each row scores)."""
     if shape.output_vocab:
-        return partial_vocabulary(g, shape, state, g.linear(x, state["lm_head.weight"], "lm_head"))
+        return g.linear(x, state["lm_head.weight"], "lm_head")
     if "lm_head.weight" in state and not shape.tie_word_embeddings:
         return g.linear(x, state["lm_head.weight"], "lm_head")
     if precision in QUANTIZED_BITS:
@@ -274,27 +275,26 @@ def lm_head(g: GraphWriter, shape: LlamaShape, state: dict, x: str, embed: str, 
     return g.node("Reshape", [flat, "/lm_head/out_shape"], ["lm_head/out"])[0]
 
 
-def partial_vocabulary(g: GraphWriter, shape: LlamaShape, state: dict, scored: str) -> str:
-    """`[batch, seq, output rows]` scores spread over the vocabulary, `UNSCORED` where no
-    row scores a token. Gathered as rows of the transposed scores (`[rows + 1, batch x
-    seq]`, each a run of floats copied whole): ONNX Runtime's Gather along the last axis
-    moves one float at a time, and took 38 of the 53 ms of a 100-token forward of
-    SmolLM2's feature head (int8) and most of its tree steps."""
-    g.node("Shape", [scored], ["/spread/in_shape"])
-    g.node("Slice", ["/spread/in_shape", g.constant("/spread/zero", np.array([0], np.int64)),
-                     g.constant("/spread/two", np.array([2], np.int64))], ["/spread/batch_seq"])
-    flat = g.node("Reshape", [scored, g.constant("/spread/flat_shape", np.array([-1, shape.output_vocab], np.int64))],
-                  ["/spread/flat"])[0]
-    by_row = g.node("Transpose", [flat], ["/spread/by_row"], perm=[1, 0])[0]
-    pads = g.constant("/spread/pads", np.array([0, 0, 1, 0], np.int64))  # one row after the last
-    padded = g.node("Pad", [by_row, pads, g.constant("/spread/unscored", np.array(UNSCORED, np.float32))],
-                    ["/spread/padded"])[0]
-    rows = g.constant("output_rows", state["output_rows"].numpy().astype(np.int64))
-    spread = g.node("Gather", [padded, rows], ["/spread/by_token"], axis=0)[0]
-    by_position = g.node("Transpose", [spread], ["/spread/by_position"], perm=[1, 0])[0]
-    g.node("Concat", ["/spread/batch_seq", g.constant("/spread/vocab", np.array([shape.vocab_size], np.int64))],
-           ["/spread/out_shape"], axis=0)
-    return g.node("Reshape", [by_position, "/spread/out_shape"], ["/lm_head/spread"])[0]
+def logits_output(shape: LlamaShape) -> onnx.ValueInfoProto:
+    """`logits`: one score per token of the vocabulary, or per row of a draft that scores part of it."""
+    return helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", shape.output_vocab or shape.vocab_size])
+
+
+def with_scored_tokens(model: onnx.ModelProto, shape: LlamaShape, state: dict) -> onnx.ModelProto:
+    """A graph that scores part of the vocabulary names the token of each of its rows (in its
+    metadata, `SCORED_TOKENS_KEY`), which the engine spreads them onto. Spread inside the
+    graph (a Gather of 49152 one-float rows, a transpose and a copy back), it had taken
+    0.5 ms of SmolLM2's feature head's 1.9 ms step (int8, one thread) and 1.1 ms of a
+    16-row forward; on the host it takes 0.02 and 0.16 ms."""
+    if shape.output_vocab:
+        rows = state["output_rows"].to(torch.int64)
+        scored = torch.full((shape.output_vocab,), -1, dtype=torch.int64)
+        tokens = torch.nonzero(rows < shape.output_vocab).flatten()
+        scored[rows[tokens]] = tokens
+        if bool((scored < 0).any()):
+            raise ValueError(f"output_rows leaves rows of the {shape.output_vocab} scored ones without a token")
+        helper.set_model_props(model, {SCORED_TOKENS_KEY: ",".join(map(str, scored.tolist()))})
+    return model
 
 
 def rope_caches(g: GraphWriter, shape: LlamaShape, max_positions: int) -> None:
@@ -332,7 +332,7 @@ def model_graph(shape: LlamaShape, state: dict, precision: str, max_positions: i
         residual = mlp(g, state, layer, x)
     x, last = skip_norm(g, hidden, residual, weight_constant(g, state, "model.norm.weight"), eps, "/final_norm")
     g.node("Identity", [lm_head(g, shape, state, x, embed, precision)], ["logits"])
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", shape.vocab_size])]
+    outputs = [logits_output(shape)]
     if feature_layers:
         outputs.append(feature_output(g, shape, [*entering, last], feature_layers))
     inputs = graph_inputs(shape)
@@ -386,7 +386,8 @@ def quantize(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
 def export_model(shape: LlamaShape, state: dict, path: Path, precision: str, max_positions: int,
                  feature_layers: tuple[int, ...] = ()) -> Path:
     """Write the model graph at `precision` to `path`, its weights in one file beside it."""
-    return save_model(quantize(model_graph(shape, state, precision, max_positions, feature_layers), precision), path)
+    model = quantize(model_graph(shape, state, precision, max_positions, feature_layers), precision)
+    return save_model(with_scored_tokens(model, shape, state), path)
 
 
 def save_model(model: onnx.ModelProto, path: Path) -> Path:

@@ -41,6 +41,7 @@ from saguaro.runtime.engines.batching import PackedBatch, pack_steps
 from saguaro.runtime.engines.manifest import engine_info, is_feature_draft
 from saguaro.runtime.engines.kv_cache import KVPool, PooledCache
 from saguaro.runtime.core.logprobs import verify_result
+from saguaro.runtime.models.llama import UNSCORED
 
 ALONE_THREADS = 2  # intra-op threads of a model running with the other model idle: both cores
 
@@ -105,6 +106,18 @@ def bind_array(binding: ort.IOBinding, name: str, array: np.ndarray, output: boo
     bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
 
+# A model graph that scores part of the vocabulary (a draft's `output_vocab`) names, in its
+# metadata, the token each of its logits rows scores: comma-separated ids, row by row.
+SCORED_TOKENS_KEY = "saguaro.scored_tokens"
+
+
+def scored_tokens(session: ort.InferenceSession) -> torch.Tensor | None:
+    """The token of each logits row of a graph that scores part of the vocabulary; None
+    for a graph that scores all of it (and for drafts built when the graph spread them)."""
+    listed = session.get_modelmeta().custom_metadata_map.get(SCORED_TOKENS_KEY)
+    return None if listed is None else torch.tensor([int(token) for token in listed.split(",")])
+
+
 def output_width(session: ort.InferenceSession, name: str) -> int:
     """The last dimension of the graph's output `name`; 0 when the graph has no such output."""
     return next((output.shape[-1] for output in session.get_outputs() if output.name == name), 0)
@@ -128,6 +141,7 @@ class OnnxRuntimeEngine(OneSequenceForms):
         self.pool = KVPool(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
                            self.limits.max_batch, slot_capacity)
         self.hidden_width = output_width(sessions["model"], self.hidden_output)
+        self.scored_tokens = scored_tokens(sessions["model"])
         self._no_draft_probs = np.zeros((self.limits.max_draft_tokens, self.vocab_size), np.float32)
 
     def new_cache(self, capacity: int) -> PooledCache:
@@ -155,12 +169,20 @@ class OnnxRuntimeEngine(OneSequenceForms):
 
     def forward_rows(self, steps: Sequence[Step]) -> list[Rows]:
         packed = pack_steps(steps)
-        logits, hidden = self._run_model(packed, self.extra_inputs(steps, packed))
+        scores, hidden = self._run_model(packed, self.extra_inputs(steps, packed))
         for step, count in zip(steps, packed.counts):
             step.cache.length += count
-        return [Rows(torch.from_numpy(logits[row, :count]),
-                     None if hidden is None else torch.from_numpy(hidden[row, :count]))
+        logits = self.spread(torch.from_numpy(scores))
+        return [Rows(logits[row, :count], None if hidden is None else torch.from_numpy(hidden[row, :count]))
                 for row, count in zip(packed.rows, packed.counts)]
+
+    def spread(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scores over the whole vocabulary: a graph that scores part of it gets `UNSCORED`
+        (probability 0) for every other token."""
+        if self.scored_tokens is None:
+            return scores
+        logits = torch.full((*scores.shape[:-1], self.vocab_size), UNSCORED)
+        return logits.index_copy_(-1, self.scored_tokens, scores)
 
     def extra_inputs(self, steps: Sequence[Step], packed: PackedBatch) -> dict[str, np.ndarray]:
         """Model inputs beyond the packed batch's (a feature draft's features)."""
@@ -176,7 +198,8 @@ class OnnxRuntimeEngine(OneSequenceForms):
                   "attention_mask": packed.attention_mask, **extra}
         for name, array in inputs.items():
             bind_array(binding, name, array)
-        logits = np.empty((packed.batch, packed.input_ids.shape[1], self.vocab_size), np.float32)
+        width = self.vocab_size if self.scored_tokens is None else len(self.scored_tokens)
+        logits = np.empty((packed.batch, packed.input_ids.shape[1], width), np.float32)
         bind_array(binding, "logits", logits, output=True)
         hidden = None
         if self.hidden_width:
