@@ -262,3 +262,23 @@ def test_a_batched_forward_gives_each_sequence_its_own_result(engines, reference
             assert_same_logits(got, want)
         assert (engine.pool.entries(idle.slot) == idle_entries).all()
         assert [cache.length for cache in caches] == [len(PROMPT) + 2, 7 + 3]
+
+
+@pytest.mark.parametrize("role", [0, 1], ids=["target", "draft"])
+def test_a_last_only_step_is_scored_alone_beside_full_ones(engines, role):
+    """In one batch with a full step, a `last_only` step (a prefill, a draft's sync) gets
+    its last row's logits only, the same row as when every row is scored, and the full
+    step all its rows; the graph computes the lm_head for the asked rows only."""
+    engine = engines[role]
+    assert engine.scores_positions
+    syncing, verifying = (prefilled(engine, ids)[0] for ids in (PROMPT[:5], PROMPT[:8]))
+    twins = [syncing.fork(), verifying.fork()]
+    sync_tokens, verify_tokens = torch.tensor([3, 8, 2, 6]), torch.tensor([4, 6, 1])
+    got = engine.forward_rows([Step(syncing, sync_tokens, torch.arange(5, 9), last_only=True),
+                               Step(verifying, verify_tokens, torch.arange(8, 11))])
+    want = engine.forward_rows([Step(twins[0], sync_tokens, torch.arange(5, 9)),
+                                Step(twins[1], verify_tokens, torch.arange(8, 11))])
+    assert got[0].logits.shape == (1, want[0].logits.shape[-1]) and want[0].logits.shape[0] == 4
+    assert_same_logits(got[0].logits, want[0].logits[-1:])
+    assert_same_logits(got[1].logits, want[1].logits)
+    assert syncing.length == twins[0].length == 9

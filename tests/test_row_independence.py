@@ -110,7 +110,8 @@ def node_outputs(session, engine, tokens) -> dict[str, np.ndarray]:
     packed = pack_steps([Step(cache, torch.tensor(tokens), torch.arange(cache.length, cache.length + len(tokens)))])
     feeds = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "seqlens_k": packed.seqlens_k,
              "query_seqlens": packed.query_seqlens, "attention_mask": packed.attention_mask,
-             "total_sequence_length": np.array(packed.total_sequence_length, np.int32)}
+             "total_sequence_length": np.array(packed.total_sequence_length, np.int32),
+             "scored_positions": packed.scored_positions}
     for layer in range(engine.layers):
         for index, kind in enumerate(("key", "value")):
             feeds[f"past_{kind}.{layer}"] = engine.pool.buffer[layer, index, cache.slot:cache.slot + 1].copy()

@@ -41,6 +41,7 @@ from saguaro.compiler.fused_export import (
     quantize,
     rope_caches,
     save_model,
+    scored_rows,
     skip_norm,
     weight_constant,
     with_scored_tokens,
@@ -93,7 +94,7 @@ def head_graph(head: FeatureHead, precision: str, max_positions: int) -> onnx.Mo
                           eps, "/l0/post_norm")
     x, hidden_out = skip_norm(g, hidden, mlp(g, state, 0, x), weight_constant(g, state, "model.norm.weight"), eps,
                               "/final_norm")
-    g.node("Identity", [lm_head(g, shape, state, x, embed, precision)], ["logits"])
+    g.node("Identity", [lm_head(g, shape, state, scored_rows(g, x), embed, precision)], ["logits"])
     g.node("Identity", [hidden_out], [HIDDEN_OUTPUT])
     float32 = TensorProto.FLOAT
     inputs = [*graph_inputs(shape),

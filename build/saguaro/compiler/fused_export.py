@@ -32,9 +32,11 @@ builder adds them), so the weights are held once.
 
 I/O (B batch, S new tokens per row, C cache capacity, T = total_sequence_length):
   input_ids, position_ids [B, S] int64; seqlens_k [B] int32; total_sequence_length []
-  int32; query_seqlens [B] int32; attention_mask [B, S, T] bool;
-  past_key.{i}, past_value.{i} [B, kv_heads, C, head_dim] float32
-  -> logits [B, S, vocab] float32; present_key.{i}, present_value.{i} (same memory as past);
+  int32; query_seqlens [B] int32; attention_mask [B, S, T] bool; scored_positions [B, P]
+  int64 (the query positions whose logits each row returns: all S for a verify, the last
+  for a prefill or a draft's sync); past_key.{i}, past_value.{i} [B, kv_heads, C, head_dim]
+  float32
+  -> logits [B, P, vocab] float32; present_key.{i}, present_value.{i} (same memory as past);
   for a target with a feature draft, `hidden_states` [B, S, len(feature_layers) * hidden]
   float32: the hidden states entering each feature layer (`llama.Features`), joined.
 
@@ -63,8 +65,9 @@ QUANTIZED_BITS = {"int8": 8, "int4": 4}
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4  # int8 activations per block (VNNI); levels 0-1 are 2-3x slower for S > 1
 FEATURES_OUTPUT = "hidden_states"  # a target's, for a feature draft
+SCORED_INPUT = "scored_positions"  # [B, P] int64: the query positions whose logits each row returns
 MODEL_INPUTS = ("input_ids", "position_ids", "seqlens_k", "total_sequence_length", "query_seqlens",
-                "attention_mask")
+                "attention_mask", SCORED_INPUT)
 
 
 class GraphWriter:
@@ -109,7 +112,18 @@ def graph_inputs(shape: LlamaShape) -> list[onnx.ValueInfoProto]:
             helper.make_tensor_value_info("seqlens_k", int32, ["batch"]),
             helper.make_tensor_value_info("total_sequence_length", int32, []),
             helper.make_tensor_value_info("query_seqlens", int32, ["batch"]),
-            helper.make_tensor_value_info("attention_mask", TensorProto.BOOL, ["batch", "seq", "total"])]
+            helper.make_tensor_value_info("attention_mask", TensorProto.BOOL, ["batch", "seq", "total"]),
+            helper.make_tensor_value_info(SCORED_INPUT, int64, ["batch", "scored"])]
+
+
+def scored_rows(g: GraphWriter, x: str) -> str:
+    """The rows of `x` `[B, S, hidden]` whose logits are asked for (`SCORED_INPUT`): a
+    prefill and a draft's sync read none or their last row only, and an lm_head scoring
+    49152 tokens at every prompt position had been a quarter of a prefill's time (SmolLM2,
+    int8)."""
+    indices = g.node("Unsqueeze", [SCORED_INPUT, g.constant("/scored/last_axis", np.array([-1], np.int64))],
+                     ["/scored/indices"])[0]
+    return g.node("GatherND", [x, indices], ["/scored/rows"], batch_dims=1)[0]
 
 
 def kv_value(name: str, shape: LlamaShape) -> onnx.ValueInfoProto:
@@ -277,7 +291,8 @@ def lm_head(g: GraphWriter, shape: LlamaShape, state: dict, x: str, embed: str, 
 
 def logits_output(shape: LlamaShape) -> onnx.ValueInfoProto:
     """`logits`: one score per token of the vocabulary, or per row of a draft that scores part of it."""
-    return helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", shape.output_vocab or shape.vocab_size])
+    return helper.make_tensor_value_info("logits", TensorProto.FLOAT,
+                                         ["batch", "scored", shape.output_vocab or shape.vocab_size])
 
 
 def with_scored_tokens(model: onnx.ModelProto, shape: LlamaShape, state: dict) -> onnx.ModelProto:
@@ -331,7 +346,7 @@ def model_graph(shape: LlamaShape, state: dict, precision: str, max_positions: i
         x, hidden = skip_norm(g, hidden, attended, norm, eps, f"/l{layer}/post_norm")
         residual = mlp(g, state, layer, x)
     x, last = skip_norm(g, hidden, residual, weight_constant(g, state, "model.norm.weight"), eps, "/final_norm")
-    g.node("Identity", [lm_head(g, shape, state, x, embed, precision)], ["logits"])
+    g.node("Identity", [lm_head(g, shape, state, scored_rows(g, x), embed, precision)], ["logits"])
     outputs = [logits_output(shape)]
     if feature_layers:
         outputs.append(feature_output(g, shape, [*entering, last], feature_layers))

@@ -134,13 +134,16 @@ class Step:
     # A feature draft's input: for the token at position p, the feature of position p - 1
     # (the target's, projected, or the draft's own prediction); None: zeros
     hidden: torch.Tensor | None = None  # [n, hidden]
+    # Only the last token's logits are read (a prefill, a draft's sync): an engine may
+    # score that row alone, and return logits [1, V]
+    last_only: bool = False
 
 
 class Rows(NamedTuple):
     """A step's results: its logits, and the hidden states a feature draft reads (a
     target's `feature_layers`, or a feature draft's own predicted features); None else."""
 
-    logits: torch.Tensor                # [n, V]
+    logits: torch.Tensor                # [n, V]; [1, V] for a `last_only` step, where the engine scores it alone
     hidden: torch.Tensor | None = None  # [n, features]
 
 

@@ -113,7 +113,7 @@ class Speculator:
 
     def _feed(self, tokens: list[int], first_position: int, hidden: torch.Tensor | None = None) -> Forwards[Rows]:
         positions = torch.arange(first_position, first_position + len(tokens))
-        rows = yield Step(self.cache, torch.tensor(tokens), positions, hidden=hidden)
+        rows = yield Step(self.cache, torch.tensor(tokens), positions, hidden=hidden, last_only=True)
         self.cached.extend(tokens)
         return Rows(rows.logits[-1], None if rows.hidden is None else rows.hidden[-1])
 

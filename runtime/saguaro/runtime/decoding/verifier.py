@@ -21,7 +21,8 @@ class Verifier:
     def prefill(self, prompt_ids: list[int]) -> Step | None:
         if len(prompt_ids) < 2:
             return None
-        return Step(self.cache, torch.tensor(prompt_ids[:-1]), torch.arange(len(prompt_ids) - 1))
+        # kept for its KV entries (and a feature draft's features): no logits are read
+        return Step(self.cache, torch.tensor(prompt_ids[:-1]), torch.arange(len(prompt_ids) - 1), last_only=True)
 
     def round(self, ids: list[int], draft: Draft, num_tokens: int, logprobs: bool = False) -> VerifyStep:
         """Verification of the first `num_tokens` drafts after the committed `ids`

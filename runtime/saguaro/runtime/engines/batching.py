@@ -30,6 +30,8 @@ class PackedBatch:
     query_seqlens: np.ndarray     # [B] int32: new tokens (0 in idle rows)
     total_sequence_length: int
     attention_mask: np.ndarray    # [B, S, T] bool
+    scored_positions: np.ndarray  # [B, P] int64: the positions whose logits each row returns
+    scored: list[int]             # rows of logits each step reads: 1 (last_only) or its tokens
 
     @property
     def batch(self) -> int:
@@ -64,11 +66,14 @@ def pack_steps(steps: Sequence[Step]) -> PackedBatch:
     query_seqlens = np.zeros(batch, np.int32)
     mask = np.zeros((batch, width, total), bool)
     mask[:, :, 0] = True  # padded and idle rows: one visible column
-    for step, row, length in zip(steps, rows, lengths):
+    scored = [1 if step.last_only else len(step.tokens) for step in steps]
+    scored_positions = np.zeros((batch, max(scored)), np.int64)  # idle rows, and the rest of short ones: unread
+    for step, row, length, wanted in zip(steps, rows, lengths, scored):
         count, past = len(step.tokens), step.cache.length
         input_ids[row, :count] = step.tokens.numpy()
         position_ids[row, :count] = step.positions.numpy()
         seqlens_k[row], query_seqlens[row] = length - 1, count
         mask[row, :count, :length] = (causal_mask(past, count) if step.mask is None else step.mask).numpy()
+        scored_positions[row, :wanted] = np.arange(count - wanted, count)
     return PackedBatch(first, rows, [len(step.tokens) for step in steps], input_ids, position_ids, seqlens_k,
-                       query_seqlens, total, mask)
+                       query_seqlens, total, mask, scored_positions, scored)

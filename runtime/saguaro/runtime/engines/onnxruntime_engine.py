@@ -142,6 +142,8 @@ class OnnxRuntimeEngine(OneSequenceForms):
                            self.limits.max_batch, slot_capacity)
         self.hidden_width = output_width(sessions["model"], self.hidden_output)
         self.scored_tokens = scored_tokens(sessions["model"])
+        # graphs built before `scored_positions` score every position; rows are sliced instead
+        self.scores_positions = any(i.name == "scored_positions" for i in sessions["model"].get_inputs())
         self._no_draft_probs = np.zeros((self.limits.max_draft_tokens, self.vocab_size), np.float32)
 
     def new_cache(self, capacity: int) -> PooledCache:
@@ -173,8 +175,9 @@ class OnnxRuntimeEngine(OneSequenceForms):
         for step, count in zip(steps, packed.counts):
             step.cache.length += count
         logits = self.spread(torch.from_numpy(scores))
-        return [Rows(logits[row, :count], None if hidden is None else torch.from_numpy(hidden[row, :count]))
-                for row, count in zip(packed.rows, packed.counts)]
+        return [Rows(logits[row, :scored] if self.scores_positions else logits[row, count - scored:count],
+                     None if hidden is None else torch.from_numpy(hidden[row, :count]))
+                for row, count, scored in zip(packed.rows, packed.counts, packed.scored)]
 
     def spread(self, scores: torch.Tensor) -> torch.Tensor:
         """Scores over the whole vocabulary: a graph that scores part of it gets `UNSCORED`
@@ -196,10 +199,13 @@ class OnnxRuntimeEngine(OneSequenceForms):
                   "seqlens_k": packed.seqlens_k, "query_seqlens": packed.query_seqlens,
                   "total_sequence_length": np.array(packed.total_sequence_length, np.int32),
                   "attention_mask": packed.attention_mask, **extra}
+        if self.scores_positions:
+            inputs["scored_positions"] = packed.scored_positions
         for name, array in inputs.items():
             bind_array(binding, name, array)
         width = self.vocab_size if self.scored_tokens is None else len(self.scored_tokens)
-        logits = np.empty((packed.batch, packed.input_ids.shape[1], width), np.float32)
+        rows = packed.scored_positions.shape[1] if self.scores_positions else packed.input_ids.shape[1]
+        logits = np.empty((packed.batch, rows, width), np.float32)
         bind_array(binding, "logits", logits, output=True)
         hidden = None
         if self.hidden_width:
