@@ -21,6 +21,7 @@ from saguaro.runtime.core.contracts import Step
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.batching import pack_steps
 from saguaro.runtime.engines.manifest import read_manifest
+from saguaro.runtime.engines.onnxruntime_engine import SCORED_INPUT
 from saguaro.runtime.engines.torch_engine import TorchEngine
 
 PRECISIONS = ["fp32", "int8", "int4"]
@@ -111,7 +112,7 @@ def node_outputs(session, engine, tokens) -> dict[str, np.ndarray]:
     feeds = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "seqlens_k": packed.seqlens_k,
              "query_seqlens": packed.query_seqlens, "attention_mask": packed.attention_mask,
              "total_sequence_length": np.array(packed.total_sequence_length, np.int32),
-             "scored_positions": packed.scored_positions}
+             SCORED_INPUT: packed.scored_positions}
     for layer in range(engine.layers):
         for index, kind in enumerate(("key", "value")):
             feeds[f"past_{kind}.{layer}"] = engine.pool.buffer[layer, index, cache.slot:cache.slot + 1].copy()

@@ -118,7 +118,7 @@ def project_graph(head: FeatureHead) -> onnx.ModelProto:
 
 def export_head(head: FeatureHead, folder: Path, precision: str, max_positions: int) -> dict[str, Path]:
     """The head's `model` and `project` graphs at `precision` in `folder`; stem -> path."""
-    model = with_scored_tokens(quantize(head_graph(head, precision, max_positions), precision), layer_shape(head),
-                               layer_state(head))
+    model = with_scored_tokens(quantize(head_graph(head, precision, max_positions), precision),
+                               head.shape.draft_vocab_size, head.output_rows)
     return {"model": save_model(model, folder / "model.onnx"),
             "project": save_model(quantize(project_graph(head), precision), folder / "project.onnx")}

@@ -56,7 +56,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from saguaro.runtime.engines.onnxruntime_engine import SCORED_TOKENS_KEY
+from saguaro.runtime.engines.onnxruntime_engine import SCORED_INPUT, SCORED_TOKENS_KEY
 from saguaro.runtime.models.llama import Features, LlamaShape, rope_inverse_frequencies
 
 MS_DOMAIN = "com.microsoft"
@@ -65,9 +65,6 @@ QUANTIZED_BITS = {"int8": 8, "int4": 4}
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4  # int8 activations per block (VNNI); levels 0-1 are 2-3x slower for S > 1
 FEATURES_OUTPUT = "hidden_states"  # a target's, for a feature draft
-SCORED_INPUT = "scored_positions"  # [B, P] int64: the query positions whose logits each row returns
-MODEL_INPUTS = ("input_ids", "position_ids", "seqlens_k", "total_sequence_length", "query_seqlens",
-                "attention_mask", SCORED_INPUT)
 
 
 class GraphWriter:
@@ -295,19 +292,20 @@ def logits_output(shape: LlamaShape) -> onnx.ValueInfoProto:
                                          ["batch", "scored", shape.output_vocab or shape.vocab_size])
 
 
-def with_scored_tokens(model: onnx.ModelProto, shape: LlamaShape, state: dict) -> onnx.ModelProto:
+def with_scored_tokens(model: onnx.ModelProto, output_vocab: int, output_rows: torch.Tensor | None) -> onnx.ModelProto:
     """A graph that scores part of the vocabulary names the token of each of its rows (in its
     metadata, `SCORED_TOKENS_KEY`), which the engine spreads them onto. Spread inside the
     graph (a Gather of 49152 one-float rows, a transpose and a copy back), it had taken
     0.5 ms of SmolLM2's feature head's 1.9 ms step (int8, one thread) and 1.1 ms of a
     16-row forward; on the host it takes 0.02 and 0.16 ms."""
-    if shape.output_vocab:
-        rows = state["output_rows"].to(torch.int64)
-        scored = torch.full((shape.output_vocab,), -1, dtype=torch.int64)
-        tokens = torch.nonzero(rows < shape.output_vocab).flatten()
+    if output_vocab:
+        assert output_rows is not None  # a partial vocabulary's map: token -> row (`output_vocab` where none)
+        rows = output_rows.to(torch.int64)
+        scored = torch.full((output_vocab,), -1, dtype=torch.int64)
+        tokens = torch.nonzero(rows < output_vocab).flatten()
         scored[rows[tokens]] = tokens
         if bool((scored < 0).any()):
-            raise ValueError(f"output_rows leaves rows of the {shape.output_vocab} scored ones without a token")
+            raise ValueError(f"output_rows leaves rows of the {output_vocab} scored ones without a token")
         helper.set_model_props(model, {SCORED_TOKENS_KEY: ",".join(map(str, scored.tolist()))})
     return model
 
@@ -402,7 +400,7 @@ def export_model(shape: LlamaShape, state: dict, path: Path, precision: str, max
                  feature_layers: tuple[int, ...] = ()) -> Path:
     """Write the model graph at `precision` to `path`, its weights in one file beside it."""
     model = quantize(model_graph(shape, state, precision, max_positions, feature_layers), precision)
-    return save_model(with_scored_tokens(model, shape, state), path)
+    return save_model(with_scored_tokens(model, shape.output_vocab, state.get("output_rows")), path)
 
 
 def save_model(model: onnx.ModelProto, path: Path) -> Path:

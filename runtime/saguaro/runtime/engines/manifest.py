@@ -35,7 +35,8 @@ from saguaro.runtime.control.calibration import calibration_from_manifest
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = "saguaro-engines"
-FORMAT_VERSION = 2  # 2: one fused model graph per role and KV slots (max_batch)
+FORMAT_VERSION = 3  # 2: one fused model graph per role and KV slots (max_batch); 3: scored_positions,
+                    # and a partial vocabulary's scores spread by the engine (scored_tokens)
 ROLES = ("target", "draft")
 FEATURE_HEAD = "feature_head"  # a draft entry's `kind` when the draft is an EAGLE-3 head
 PLUGINS = {module.PLUGIN_NAME: {"namespace": module.PLUGIN_NAMESPACE, "version": module.PLUGIN_VERSION}

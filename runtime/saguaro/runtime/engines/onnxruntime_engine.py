@@ -109,11 +109,12 @@ def bind_array(binding: ort.IOBinding, name: str, array: np.ndarray, output: boo
 # A model graph that scores part of the vocabulary (a draft's `output_vocab`) names, in its
 # metadata, the token each of its logits rows scores: comma-separated ids, row by row.
 SCORED_TOKENS_KEY = "saguaro.scored_tokens"
+SCORED_INPUT = "scored_positions"  # [B, P] int64: the query positions whose logits each row returns
 
 
 def scored_tokens(session: ort.InferenceSession) -> torch.Tensor | None:
     """The token of each logits row of a graph that scores part of the vocabulary; None
-    for a graph that scores all of it (and for drafts built when the graph spread them)."""
+    for a graph that scores all of it."""
     listed = session.get_modelmeta().custom_metadata_map.get(SCORED_TOKENS_KEY)
     return None if listed is None else torch.tensor([int(token) for token in listed.split(",")])
 
@@ -142,8 +143,7 @@ class OnnxRuntimeEngine(OneSequenceForms):
                            self.limits.max_batch, slot_capacity)
         self.hidden_width = output_width(sessions["model"], self.hidden_output)
         self.scored_tokens = scored_tokens(sessions["model"])
-        # graphs built before `scored_positions` score every position; rows are sliced instead
-        self.scores_positions = any(i.name == "scored_positions" for i in sessions["model"].get_inputs())
+        self.logits_width = self.vocab_size if self.scored_tokens is None else len(self.scored_tokens)
         self._no_draft_probs = np.zeros((self.limits.max_draft_tokens, self.vocab_size), np.float32)
 
     def new_cache(self, capacity: int) -> PooledCache:
@@ -175,8 +175,7 @@ class OnnxRuntimeEngine(OneSequenceForms):
         for step, count in zip(steps, packed.counts):
             step.cache.length += count
         logits = self.spread(torch.from_numpy(scores))
-        return [Rows(logits[row, :scored] if self.scores_positions else logits[row, count - scored:count],
-                     None if hidden is None else torch.from_numpy(hidden[row, :count]))
+        return [Rows(logits[row, :scored], None if hidden is None else torch.from_numpy(hidden[row, :count]))
                 for row, count, scored in zip(packed.rows, packed.counts, packed.scored)]
 
     def spread(self, scores: torch.Tensor) -> torch.Tensor:
@@ -198,14 +197,10 @@ class OnnxRuntimeEngine(OneSequenceForms):
         inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
                   "seqlens_k": packed.seqlens_k, "query_seqlens": packed.query_seqlens,
                   "total_sequence_length": np.array(packed.total_sequence_length, np.int32),
-                  "attention_mask": packed.attention_mask, **extra}
-        if self.scores_positions:
-            inputs["scored_positions"] = packed.scored_positions
+                  "attention_mask": packed.attention_mask, SCORED_INPUT: packed.scored_positions, **extra}
         for name, array in inputs.items():
             bind_array(binding, name, array)
-        width = self.vocab_size if self.scored_tokens is None else len(self.scored_tokens)
-        rows = packed.scored_positions.shape[1] if self.scores_positions else packed.input_ids.shape[1]
-        logits = np.empty((packed.batch, rows, width), np.float32)
+        logits = np.empty((*packed.scored_positions.shape, self.logits_width), np.float32)
         bind_array(binding, "logits", logits, output=True)
         hidden = None
         if self.hidden_width:
