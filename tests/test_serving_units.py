@@ -341,6 +341,34 @@ def test_sends_go_through_post_in_order_and_what_the_interval_kept_back_precedes
     assert update["text_output"].reshape(-1)[0].decode() == pipeline.decode(reference.output_ids)
 
 
+def test_a_stream_keeps_one_response_waiting_in_post_which_takes_every_token_kept_until_it_is_sent(pipeline):
+    """An outbox that falls behind the rounds gets one response per stream, not one per
+    round: the waiting response is built when it is sent and carries every round since."""
+    prompt = pipeline.encode("the quick")
+    options = DecodeOptions(max_tokens=24, eos_token_id=-1)
+    reference = pipeline.generate(prompt, options, SamplingParams())
+    posted, sent = [], []
+
+    def slow_post(work) -> None:  # runs the waiting work only every fourth post
+        posted.append(work)
+        if len(posted) % 4 == 0:
+            while posted:
+                posted.pop(0)()
+
+    request = ServingRequest(prompt, options, SamplingParams(), stream=True)
+    start_request(pipeline, request, lambda arrays, final: sent.append((arrays, final)), stop_reason=lambda: None,
+                  post=slow_post, interval=lambda: 1).result()
+    while posted:
+        posted.pop(0)()
+    assert new_ids(sent) == reference.output_ids and sent[-1][1] and reference.stats.rounds > 4
+    updates = [arrays for arrays, final in sent if not final]
+    assert len(updates) < reference.stats.rounds  # coalesced: fewer responses than rounds
+    for index, (arrays, _) in enumerate(sent):
+        before = new_ids(sent[:index])
+        assert arrays["prefix_ids"].reshape(-1).tolist() == before[max(0, len(before) - PREFIX_TOKENS):]
+        assert int(arrays["num_output_tokens"][0, 0]) == len(before) + arrays["output_ids"].size
+
+
 def test_a_stream_sent_every_third_round_loses_no_token_and_ends_with_the_rest(pipeline):
     prompt = pipeline.encode("the quick")
     options = DecodeOptions(max_tokens=24, eos_token_id=-1)
@@ -350,8 +378,8 @@ def test_a_stream_sent_every_third_round_loses_no_token_and_ends_with_the_rest(p
     start_request(pipeline, request, lambda arrays, final: sent.append((arrays, final)), stop_reason=lambda: None,
                   interval=lambda: 3).result()
     assert new_ids(sent) == reference.output_ids and sent[-1][1] and sent[-1][0]["output_ids"].size == 0
-    updates = len(sent) - 1
-    assert updates == reference.stats.rounds // 3 + (reference.stats.rounds % 3 > 0)  # the rest before the end
+    updates, later = len(sent) - 1, reference.stats.rounds - 1
+    assert updates == 1 + later // 3 + (later % 3 > 0)  # the first round at once, the rest before the end
     for index, (arrays, _) in enumerate(sent):
         before = new_ids(sent[:index])
         assert arrays["prefix_ids"].reshape(-1).tolist() == before[max(0, len(before) - PREFIX_TOKENS):]
