@@ -321,7 +321,9 @@ def test_genai_perfs_request_is_served(pipeline, client):
                                       one("exclude_input_in_output", True, "BOOL"), STREAM,
                                       one("min_length", 32, "INT32"), NEVER_END))
     assert completion.text == pipeline.decode(expected.output_ids) and completion.num_output_tokens == 32
-    assert len(completion.pieces) == expected.stats.rounds + 1  # text deltas, as genai-perf counts them
+    # text deltas, as genai-perf counts them: one per round and the final, fewer when the
+    # model's outbox was behind and a response took the rounds kept until it was sent
+    assert 1 < len(completion.pieces) <= expected.stats.rounds + 1
 
 
 def test_exclude_input_in_output_false_repeats_the_prompt(pipeline, client):

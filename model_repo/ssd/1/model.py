@@ -206,7 +206,8 @@ class SsdMetrics:
                    "cache_hits": stats["cache_hits"], "cache_misses": stats["cache_misses"]}
         with self.lock:
             for name, value in figures.items():
-                self.counters[name].increment(value)
+                if value:  # each increment is a message to the server process; most are 0 without drafts
+                    self.counters[name].increment(value)
             if outcome.output_ids:
                 self.tokens_per_s.observe(stats["tokens_per_s"])
             self._count_request(outcome.finish_reason)
