@@ -43,3 +43,34 @@ def test_runs_of_a_level_count_as_one_their_tokens_over_their_seconds():
     assert (one.itl_ms_p50, one.itl_ms_p99) == (20.0, 30.0)  # over every request of both runs
     assert one.mean_batch == pytest.approx(3.25)  # by time
     assert one.cpu_ms_per_token["server"] == pytest.approx(2.0)  # by tokens
+
+
+def test_a_levels_metrics_are_read_once_no_request_is_in_flight():
+    """The `ssd` model counts a request after its final response: a scrape taken while one
+    is still in flight waits for its figures, so they are not credited to the next level."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from saguaro.serving.served_metrics import metric, settled_scrape
+
+    pages = iter([f'ssd_requests_in_flight{{model="ssd"}} {n}\nssd_rounds_total{{model="ssd"}} {r}\n'
+                  for n, r in ((2, 10), (1, 20), (0, 30), (0, 40))])
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the handler's name in http.server
+            body = next(pages).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        text = settled_scrape(server.server_address[1], timeout_s=5)
+    finally:
+        server.shutdown()
+    assert metric(text, "ssd_requests_in_flight") == 0 and metric(text, "ssd_rounds_total") == 30

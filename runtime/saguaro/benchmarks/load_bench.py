@@ -42,7 +42,7 @@ from saguaro.serving.client import complete, ensemble_inputs, tensor
 from saguaro.serving.launch import parse_args as serve_args
 from saguaro.serving.launch import serve
 from saguaro.serving.model_repo import values_from_args
-from saguaro.serving.served_metrics import growth_ratio, histogram_mean, scrape
+from saguaro.serving.served_metrics import growth_ratio, histogram_mean, settled_scrape
 from saguaro.serving.triton_server import Ports
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
@@ -162,7 +162,7 @@ def run_level(url: str, metrics_port: int, mode: Mode, concurrency: int, request
                     results.append(outcome)
 
     processes = {**(processes or {}), "client (this process)": os.getpid()}
-    before, cpu_before = scrape(metrics_port), snapshot(processes)
+    before, cpu_before = settled_scrape(metrics_port), snapshot(processes)
     started = time.perf_counter()
     threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
     for thread in threads:
@@ -172,7 +172,8 @@ def run_level(url: str, metrics_port: int, mode: Mode, concurrency: int, request
     seconds = time.perf_counter() - started
     if errors:
         raise RuntimeError(f"{mode.name} at concurrency {concurrency}: {errors[0]}")
-    after, cpu = scrape(metrics_port), spent(cpu_before, snapshot(processes))
+    cpu = spent(cpu_before, snapshot(processes))
+    after = settled_scrape(metrics_port)  # the level's last requests counted, not credited to the next
     tokens = sum(t for t, _, _ in results)
     ttft = [1000 * f for _, f, _ in results]
     itl = [1000 * i for _, _, i in results]

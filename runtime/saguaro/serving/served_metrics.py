@@ -3,12 +3,26 @@ model's custom metrics among them)."""
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 
 
 def scrape(port: int, host: str = "127.0.0.1") -> str:
     with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as reply:
         return reply.read().decode()
+
+
+def settled_scrape(port: int, timeout_s: float = 10.0, host: str = "127.0.0.1") -> str:
+    """The metrics once no request is in flight (or as they are after `timeout_s`): the
+    `ssd` model counts a request's figures after its final response, from its outbox, so
+    a scrape right after the last client heard its answer could miss them (and credit them
+    to whatever is measured next)."""
+    deadline = time.monotonic() + timeout_s
+    text = scrape(port, host)
+    while metric(text, "ssd_requests_in_flight") > 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        text = scrape(port, host)
+    return text
 
 
 def metric(text: str, name: str, **labels) -> float:
