@@ -144,3 +144,39 @@ def test_a_failing_round_observer_does_not_stop_the_decoding_thread(tiny_pair, c
         got = [future.result(timeout=120).output_ids for future in [loaded.submit(r) for r in requests(loaded, 3)]]
         assert got == expected
         assert "the round observer failed" in caplog.text
+
+
+def test_a_ragged_batch_packs_row_by_slot_with_idle_rows_padding_and_masks():
+    """Slots 0, 2 and 3 of a pool step (slot 1 idle): a causal step of 2 tokens after 3
+    cached, a tree step with its own mask, and a prompt step that scores its last token
+    only. Each row holds its tokens left-aligned; padded positions and the idle row see
+    column 0 only."""
+    import torch
+
+    from saguaro.runtime.core.contracts import Step
+    from saguaro.runtime.engines.batching import pack_steps
+    from saguaro.runtime.engines.kv_cache import KVPool
+
+    pool = KVPool(layers=1, kv_heads=1, head_dim=2, slots=4, capacity=16)
+    caches = [pool.allocate(16) for _ in range(4)]
+    caches[0].length, caches[2].length = 3, 1
+    tree = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)  # two branches off one
+    packed = pack_steps([
+        Step(caches[2], torch.tensor([7, 8, 9]), torch.tensor([1, 2, 2]), mask=tree),
+        Step(caches[0], torch.tensor([5, 6]), torch.tensor([3, 4])),
+        Step(caches[3], torch.tensor([11, 12]), torch.tensor([0, 1]), last_only=True),
+    ])
+    assert packed.first_slot == 0 and packed.rows == [2, 0, 3] and packed.counts == [3, 2, 2]
+    assert packed.input_ids.tolist() == [[5, 6, 0], [0, 0, 0], [7, 8, 9], [11, 12, 0]]
+    assert packed.position_ids.tolist() == [[3, 4, 0], [0, 0, 0], [1, 2, 2], [0, 1, 0]]
+    assert packed.seqlens_k.tolist() == [4, 0, 3, 1] and packed.query_seqlens.tolist() == [2, 0, 3, 2]
+    assert packed.total_sequence_length == 5
+    only_first = [True, False, False, False, False]
+    assert packed.attention_mask.tolist() == [
+        [[True] * 4 + [False], [True] * 5, only_first],
+        [only_first] * 3,
+        [row + [False] for row in tree.tolist()],
+        [[True, False, False, False, False], [True, True, False, False, False], only_first],
+    ]
+    assert packed.scored == [3, 2, 1]
+    assert packed.scored_positions.tolist() == [[0, 1, 0], [0, 0, 0], [0, 1, 2], [1, 0, 0]]

@@ -15,6 +15,7 @@ from saguaro.runtime.control.load_policy import (
     PROBE_DRAFTS,
     PROBE_PERIOD,
     PROBE_SHARE,
+    QUIET_ROUNDS,
     REPLAN_ROUNDS,
     LoadPolicy,
     Plan,
@@ -707,3 +708,39 @@ def test_a_batchs_choice_holds_for_a_few_rounds_and_is_made_again_when_the_batch
     assert len(weighed) == 4  # all its drafts rejected: weighed again the round after
     batch[0].room = 3
     assert rounds(1)[0][0] == 2  # a kept K is cut to what the request may still draft
+
+
+def test_speculation_off_at_a_load_no_k_could_beat_holds_while_requests_join_and_leave():
+    """A compute-bound target at 16 requests, where no K could pay: the choice is not
+    weighed again as requests are replaced, join or leave (it was, each time, and weighing
+    every K for every request cost more than a round of the tiny engines) until
+    QUIET_ROUNDS rounds are up; a smaller batch where some K could pay is weighed at once."""
+    policy = policy_with(measured(0.0001, 0.001), measured(0.0008, 0.0005), acceptance=0.0)
+    weighed = []
+    best = policy._best
+    policy._best = lambda candidates, speculating: weighed.append(1) or best(candidates, speculating)
+    batch = [FakeSequence(plan=Plan(0)) for _ in range(16)]
+
+    def rounds(count: int) -> None:
+        for _ in range(count):
+            plans = policy.choose(batch)
+            assert not any(plan.draft_tokens or plan.probe for plan in plans)
+            for sequence, plan in zip(batch, plans):
+                sequence.plan = plan
+
+    rounds(1)
+    chosen_once = len(weighed)
+    batch[3] = FakeSequence(plan=Plan(0))  # one request left, another took its place
+    batch.append(FakeSequence(plan=Plan(0)))  # and one more joined
+    rounds(QUIET_ROUNDS - 1)
+    assert len(weighed) == chosen_once
+    assert batch[0].plan.quiet == QUIET_ROUNDS  # counted on, for the probes once it could pay
+    rounds(1)
+    assert len(weighed) == 2 * chosen_once  # the choice had run its rounds
+    del batch[12:]
+    rounds(1)
+    assert len(weighed) == 2 * chosen_once  # fewer requests, and still no K could pay
+    policy.verify_cost = measured(0.005, 0.00002)  # weight-bound now: drafting could pay ...
+    del batch[1:]
+    policy.choose(batch)
+    assert len(weighed) == 3 * chosen_once  # ... so the smaller batch is weighed again

@@ -87,6 +87,10 @@ PROBE_COST_FADING = 0.7  # weight of the earlier probes' measured cost after eac
 # for every request (about 0.15 ms of Python a round at one request, which on the tiny
 # engines was a tenth of a round), and the estimates it weighs move by a few percent a round.
 REPLAN_ROUNDS = 8
+# ... and a choice of K = 0 for all that no K could beat at this load (`_hopeless`), this
+# many, through requests joining and leaving (`_quiet_holds`): weighing every K for 16
+# requests takes 1.5-2 ms of Python, longer than a whole round on the tiny engines.
+QUIET_ROUNDS = PROBE_PERIOD
 # How far a verification on the session tried once a period (`runs_alone`) moves its curve:
 # measured once in PROBE_PERIOD rounds, at the curves' usual following a curve a busy spell
 # had inflated took hundreds of rounds to come back (a third of an autoregressive run at 4
@@ -253,6 +257,8 @@ class LoadPolicy:
         self._modelled = self._probe_priced = None
         if not any(sequence.adapts or sequence.steered for sequence in batch):
             return [Plan(most_drafts(s), s.prespeculating) for s in batch]  # as each asked
+        if self._quiet_holds(batch):
+            return self._quiet_plans(batch)
         candidates, ks = self._chosen(batch, [self._candidate(sequence) for sequence in batch])
         if any(ks):  # the choice drafts (a probe's round is priced apart): its price is checked
             self._modelled = (self._modelled_seconds(candidates, ks), self._modelled_seconds(candidates, [0] * len(ks)),
@@ -267,6 +273,33 @@ class LoadPolicy:
         if any(plan.probe for plan in plans):
             self._probe_priced = self._round_seconds(candidates, ks)
         return plans
+
+    def _quiet_holds(self, batch) -> bool:
+        """Speculation was turned off for every request and no K could pay at that load
+        (`_hopeless`): then requests joining and leaving do not make it weigh every K again
+        until the choice's rounds are up. At 16 streams through the server a request joins
+        or leaves every few rounds; weighing every K for every request each time (1.5-2 ms
+        of Python) had cost SSD with the policy a fifth of autoregressive speed on the tiny
+        engines, whose rounds take 1.4 ms. A batch that lost requests, which might pay, is
+        asked only whether some K could (`_nothing_could_pay`: a few K for one request)."""
+        kept = self._kept
+        if not (self._hopeless and kept is not None and kept.rounds_left > 0
+                and all(sequence.adapts for sequence in batch)):
+            return False
+        if len(batch) < len(kept.batch):  # a smaller batch might pay: asked again, at a glance
+            if not self._nothing_could_pay([self._candidate(sequence) for sequence in batch], [0] * len(batch)):
+                return False
+            kept.batch = list(batch)
+        return True
+
+    def _quiet_plans(self, batch) -> list[Plan]:
+        """K = 0 for every request, and no probe (none could turn speculation on)."""
+        assert self._kept is not None  # `_quiet_holds`
+        self._kept.rounds_left -= 1
+        for greedy in self._since_probe:
+            self._since_probe[greedy] += 1
+        return [Plan(0, sequence.prespeculating, quiet=sequence.plan.quiet + 1,
+                     rejected_probes=sequence.plan.rejected_probes) for sequence in batch]
 
     def _probed(self, plan: Plan, sequence, candidates: list["_Candidate"], ks: list[int], index: int) -> Plan:
         """With speculation off (K = 0 chosen for a request that may draft), the plan of a
@@ -329,8 +362,9 @@ class LoadPolicy:
         choices = [(speculating, *self._best(candidates, speculating))
                    for speculating in self._speculation_choices(candidates)]
         speculating, candidates, ks = max(choices, key=lambda choice: self._rate(choice[1], choice[2]))
-        self._kept = _KeptChoice(list(batch), speculating, ks, REPLAN_ROUNDS - 1)
         self._hopeless = self._nothing_could_pay(candidates, ks)
+        held = QUIET_ROUNDS if self._hopeless else REPLAN_ROUNDS
+        self._kept = _KeptChoice(list(batch), speculating, ks, held - 1)
         return candidates, ks
 
     def _nothing_could_pay(self, candidates: list["_Candidate"], ks: list[int]) -> bool:

@@ -299,7 +299,8 @@ class Decoder:
         steps = [s.verification() for s in batch]  # before the worker starts: it competes for the GIL
         tokens = sum(len(step.step.tokens) for step in steps)
         alone = self.alone and not speculating and self.load_policy.runs_alone(tokens)
-        pending = self.worker.submit(self.prespeculate, speculating)
+        # no hand-off to the worker for nothing: waking it costs a tiny engine's round a tenth
+        pending = speculating and self.worker.submit(self.prespeculate, speculating)
         # the draft's core is free while a round without pre-speculation verifies on its own
         # core: sequences that draft nothing bring their draft caches up to date meanwhile,
         # so that a probe, or speculation coming back, has only the newest tokens to feed
@@ -310,7 +311,7 @@ class Decoder:
         with stopwatch() as verifying, self.target.run_alone() if alone else nullcontext():
             outcomes = self.target.verify_batch(steps)
         with stopwatch() as waiting:
-            speculations = dict(zip(map(id, speculating), pending.result()))
+            speculations = dict(zip(map(id, speculating), pending.result())) if pending else {}
             if catching:
                 catching.result()
         report = RoundReport(len(batch), tokens, verifying.seconds, alone, waiting.seconds, drafting_s, drafting,
