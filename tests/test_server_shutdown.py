@@ -255,4 +255,4 @@ def test_the_openai_front_end_drains_with_the_model(pipeline, served_engines, tm
     assert done.wait(EXIT_WITHIN_S)
     expected = pipeline.decode(reference(pipeline, "the quick", SHORT, end_id=-1)[0].output_ids)
     assert "".join(c.choices[0].text for c in chunks) == expected and chunks[-1].choices[0].finish_reason == "length"
-    assert served.process.wait(EXIT_WITHIN_S) == 0
+    assert served.process.wait(EXIT_WITHIN_S) == 0, served.output

@@ -129,14 +129,23 @@ class SsdStream:
             await done.wait()  # keep our side of the stream open until the final response
 
         call = self.client.stream_infer(requests())
+        ended = False  # the final response came: the call is closed from both ends, not cancelled
         try:
             async for result, error in call:
                 if error is not None:
                     raise api_error(str(error))
                 answer = read_round(result)
-                yield answer
                 if answer.finish_reason is not None:
-                    return
+                    ended = True
+                    break
+                yield answer
         finally:
-            done.set()
-            call.cancel()  # a no-op after the final response; else Triton cancels the generation
+            done.set()  # our side of the stream closes
+            if not ended:
+                call.cancel()  # left early: Triton cancels the generation
+        # The call ends once Triton has seen our side close. Cancelled instead just after
+        # the final response, Triton sometimes kept the call's state, and with it the
+        # model, which then never unloaded at shutdown (15 s, then "Exit timeout expired").
+        async for _ in call:
+            pass
+        yield answer

@@ -68,6 +68,7 @@ A request that pins its K (`adapt_k` off: `--fixed-k`, or a server request that 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field, replace
 
 from saguaro.runtime.control.acceptance import UNSEEN_ACCEPTANCE, UNSEEN_HIT_RATE, Acceptance
@@ -286,10 +287,10 @@ class LoadPolicy:
         if not (self._hopeless and kept is not None and kept.rounds_left > 0
                 and all(sequence.adapts for sequence in batch)):
             return False
-        if len(batch) < len(kept.batch):  # a smaller batch might pay: asked again, at a glance
+        if len(batch) < kept.size:  # a smaller batch might pay: asked again, at a glance
             if not self._nothing_could_pay([self._candidate(sequence) for sequence in batch], [0] * len(batch)):
                 return False
-            kept.batch = list(batch)
+            kept.follow(batch)
         return True
 
     def _quiet_plans(self, batch) -> list[Plan]:
@@ -364,7 +365,8 @@ class LoadPolicy:
         speculating, candidates, ks = max(choices, key=lambda choice: self._rate(choice[1], choice[2]))
         self._hopeless = self._nothing_could_pay(candidates, ks)
         held = QUIET_ROUNDS if self._hopeless else REPLAN_ROUNDS
-        self._kept = _KeptChoice(list(batch), speculating, ks, held - 1)
+        self._kept = _KeptChoice(speculating, ks, held - 1)
+        self._kept.follow(batch)
         return candidates, ks
 
     def _nothing_could_pay(self, candidates: list["_Candidate"], ks: list[int]) -> bool:
@@ -574,16 +576,26 @@ class _Candidate:
 
 @dataclass
 class _KeptChoice:
-    batch: list          # the sequences it was chosen for, in order
     speculating: bool    # pre-speculation chosen on
     ks: list[int]
     rounds_left: int     # rounds it still holds while the batch stays the same
+    # the sequences it holds for, in order, weakly: a finished request's sequence must not
+    # outlive it here (through its callbacks it holds the Triton response sender, and a
+    # sender never released kept the model from unloading at shutdown)
+    batch: list[weakref.ref] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.batch)
+
+    def follow(self, batch) -> None:
+        self.batch = [weakref.ref(sequence) for sequence in batch]
 
     def holds_for(self, batch) -> bool:
         """The same sequences, rounds left, and nothing in the last round that may change
         the choice: a probe, or a request whose drafts were all rejected."""
         return (self.rounds_left > 0 and len(self.batch) == len(batch)
-                and all(kept is sequence for kept, sequence in zip(self.batch, batch))
+                and all(kept() is sequence for kept, sequence in zip(self.batch, batch))
                 and not any(s.plan.probe or all_rejected(s.acceptance.last) for s in batch))
 
 
