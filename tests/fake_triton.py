@@ -134,8 +134,10 @@ class Metric:
 
     def __init__(self, labels: dict, buckets=None):
         self.labels, self.buckets, self.value, self.observed = labels, buckets, 0.0, []
+        self.updates = 0  # messages to the server
 
     def _update(self, change) -> None:
+        self.updates += 1
         if not Metric._busy.acquire(blocking=False):
             Metric.overlaps += 1
             Metric._busy.acquire()

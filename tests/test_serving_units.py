@@ -369,6 +369,36 @@ def test_a_stream_keeps_one_response_waiting_in_post_which_takes_every_token_kep
         assert int(arrays["num_output_tokens"][0, 0]) == len(before) + arrays["output_ids"].size
 
 
+def test_a_final_response_that_goes_ahead_of_a_waiting_update_takes_its_tokens(pipeline):
+    """An outbox that sends urgent work first (`Urgent`: the first tokens, the final
+    response) may send a stream's final response before its last routine update: the final
+    one then brings the kept tokens, and the update, run later, sends nothing."""
+    from saguaro.serving.responses import Urgent
+
+    prompt = pipeline.encode("the quick")
+    options = DecodeOptions(max_tokens=24, eos_token_id=-1)
+    reference = pipeline.generate(prompt, options, SamplingParams())
+    posted, sent = [], []
+
+    def post(work) -> None:  # the first tokens go out at once, then the outbox falls behind
+        if sent:
+            posted.append(work)
+        else:
+            assert isinstance(work, Urgent)
+            work()
+
+    request = ServingRequest(prompt, options, SamplingParams(), stream=True)
+    start_request(pipeline, request, lambda arrays, final: sent.append((arrays, final)), stop_reason=lambda: None,
+                  post=post, interval=lambda: 1).result()
+    (update, final) = posted  # one update waiting (it takes every round since), then the final response
+    assert not isinstance(update, Urgent) and isinstance(final, Urgent)
+    final()
+    update()
+    assert new_ids(sent) == reference.output_ids and sent[-1][1]
+    assert len(sent) == 3 and not sent[1][1]  # first tokens, the rest, the final response
+    assert 0 < sent[0][0]["output_ids"].size < len(reference.output_ids)
+
+
 def test_a_stream_sent_every_third_round_loses_no_token_and_ends_with_the_rest(pipeline):
     prompt = pipeline.encode("the quick")
     options = DecodeOptions(max_tokens=24, eos_token_id=-1)

@@ -62,6 +62,20 @@ def wait_final(request, timeout_s: float = 60.0) -> list:
     return request.sender.responses()
 
 
+def metrics_settle(ssd, settled, timeout_s: float = 10.0) -> None:
+    """Waits until the model's outbox has sent what `settled()` (a condition on the
+    metrics) asks for: the metrics of a request go out after its final response."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done = threading.Event()
+        ssd.outbox.post(done.set)  # after everything posted before it
+        assert done.wait(timeout_s), "the outbox never got through its work"
+        if settled():
+            return
+        assert time.monotonic() < deadline, "the metrics never settled"
+        time.sleep(0.01)
+
+
 def wait_streaming(request, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not request.sender.responses():
@@ -215,7 +229,7 @@ def test_a_bad_request_gets_one_final_error_naming_the_input(ssd, inputs, named)
     (response, flags), = request.sender.sent
     assert flags == FINAL and response.has_error()
     assert response.error().code() == fake_triton.TritonError.INVALID_ARG and named in response.error().message()
-    assert ssd.metrics.by_reason["rejected"].value >= 1
+    metrics_settle(ssd, lambda: ssd.metrics.by_reason["rejected"].value >= 1)
 
 
 def test_a_failing_generation_ends_with_an_internal_error(ssd, monkeypatch):
@@ -229,11 +243,8 @@ def test_a_failing_generation_ends_with_an_internal_error(ssd, monkeypatch):
     response, = wait_final(request)
     assert response.error().code() == fake_triton.TritonError.INTERNAL
     assert "engine exploded" in response.error().message()
-    deadline = time.monotonic() + 5  # the worker updates the metrics just after its final response
-    while ssd.metrics.in_flight.value != 0:
-        assert time.monotonic() < deadline, "the failed generation stayed in flight"
-        time.sleep(0.01)
-    assert ssd.metrics.by_reason["failed"].value == 1
+    metrics_settle(ssd, lambda: ssd.metrics.in_flight.value == 0 and "failed" in ssd.metrics.by_reason
+                   and ssd.metrics.by_reason["failed"].value == 1)
     monkeypatch.undo()
     again = generation_request([1, 5], 4)
     ssd.execute([again])
@@ -348,7 +359,8 @@ def test_finalize_ends_running_generations_with_a_final_response(ssd):
 def test_metric_updates_from_many_threads_never_overlap(ssd_module, monkeypatch):
     monkeypatch.setattr(fake_triton.Metric, "update_seconds", 0.001)
     monkeypatch.setattr(fake_triton.Metric, "overlaps", 0)
-    metrics = ssd_module.SsdMetrics("ssd", "1")
+    outbox = ssd_module.Outbox()
+    metrics = ssd_module.SsdMetrics("ssd", "1", outbox.post)
     outcome = SimpleNamespace(output_ids=[1, 2, 3], finish_reason="length",
                               stats={"rounds": 2, "accepted_histogram": [0, 1, 1], "drafted_tokens": 4,
                                      "cache_hits": 1, "cache_misses": 1, "tokens_per_s": 50.0})
@@ -365,11 +377,36 @@ def test_metric_updates_from_many_threads_never_overlap(ssd_module, monkeypatch)
         thread.start()
     for thread in threads:
         thread.join()
+    outbox.close()  # everything gathered is sent
     assert fake_triton.Metric.overlaps == 0
     assert metrics.counters["generated_tokens"].value == 8 * 5 * 3
     assert metrics.counters["verified_draft_tokens"].value == 8 * 5 * 4
     assert metrics.counters["accepted_draft_tokens"].value == 8 * 5 * 3
     assert metrics.by_reason["length"].value == 40 and metrics.in_flight.value == 0
+
+
+def test_metrics_gathered_while_the_outbox_is_busy_go_out_in_one_flush(ssd_module):
+    """Each update is a message to the server: a busy outbox sends many requests' figures
+    as one increment per counter, one flush waiting at a time."""
+    posted = []
+    metrics = ssd_module.SsdMetrics("ssd", "1", posted.append)
+    outcome = SimpleNamespace(output_ids=[1, 2, 3], finish_reason="length",
+                              stats={"rounds": 3, "accepted_histogram": [1], "drafted_tokens": 0,
+                                     "cache_hits": 0, "cache_misses": 0, "tokens_per_s": 50.0})
+    for _ in range(10):
+        metrics.change_in_flight(1)
+        metrics.observe_round(batch_size=4, queued=2)
+        metrics.record(outcome)
+        metrics.change_in_flight(-1)
+    assert len(posted) == 1 and metrics.counters["generated_tokens"].value == 0  # nothing sent yet
+    posted.pop()()
+    generated = metrics.counters["generated_tokens"]
+    assert generated.value == 30 and generated.updates == 1  # one increment for ten requests
+    assert metrics.counters["verified_draft_tokens"].updates == 0  # a 0 is not sent
+    assert metrics.batch_size.observed == [4] * 10 and metrics.queued.value == 2
+    assert metrics.in_flight.value == 0 and metrics.by_reason["length"].value == 10
+    metrics.count_request("rejected")
+    assert len(posted) == 1  # the next update posts the next flush
 
 
 # --- postprocessing -----------------------------------------------------------------------
@@ -469,3 +506,20 @@ def test_preprocessing_encodes_a_complete_request(preprocessing):
     response, = preprocessing.execute([request])
     assert not response.has_error()
     assert response.outputs()["INPUT_ID"].reshape(-1).tolist() == preprocessing.codec.encode("the quick")
+
+
+def test_the_outbox_sends_urgent_work_first_each_kind_in_the_order_posted(ssd_module):
+    """First tokens, final responses and errors go ahead of routine updates and metrics
+    already waiting; routine work posted after urgent work still runs after it (a
+    request's metrics after its final response), and closing runs everything left."""
+    from saguaro.serving.responses import Urgent
+
+    outbox, ran, busy = ssd_module.Outbox(), [], threading.Event()
+    outbox.post(busy.wait)  # the sender is busy while the rest is posted
+    outbox.post(lambda: ran.append("update 1"))
+    outbox.post(Urgent(lambda: ran.append("final 1")))
+    outbox.post(lambda: ran.append("metrics of 1"))
+    outbox.post(Urgent(lambda: ran.append("first tokens of 2")))
+    busy.set()
+    outbox.close()
+    assert ran == ["final 1", "first tokens of 2", "update 1", "metrics of 1"]

@@ -28,6 +28,20 @@ from saguaro.serving.requests import ServingRequest
 
 Send = Callable[[dict, bool], None]  # (response arrays, whether this is the final response)
 Post = Callable[[Callable[[], None]], None]  # runs work later, in order (one sender thread)
+
+
+class Urgent:
+    """Work that a client waits on (a stream's first tokens, a final response, an error):
+    a `post` that queues may run it before routine work already waiting (`Outbox`), never
+    before urgent work posted earlier. A final response gates the client's next request
+    and its KV slot's next tenant; behind a queue of routine updates at 16 streams it had
+    reached clients 12-18 ms after the round that made it, a tenth of the slots' time."""
+
+    def __init__(self, work: Callable[[], None]):
+        self.work = work
+
+    def __call__(self) -> None:
+        self.work()
 StopReason = Callable[[], "str | None"]  # why the generation must stop now, or None
 
 
@@ -172,6 +186,7 @@ class ResponseStream:
         self.rounds_unsent = 0   # rounds since the last response
         self.updated = False     # a response before the final one was posted
         self.pending = False     # a response posted and not sent yet: it takes the tokens kept since
+        self.closed = False      # the final response went out: a response still waiting sends nothing
         self.lock = threading.Lock()  # the kept tokens, read by `post`'s thread
 
     def on_start(self, stats: GenerationStats) -> None:
@@ -204,12 +219,13 @@ class ResponseStream:
         0.8 s late (and their next requests late: 11.6 of 16 slots busy). Coalesced, the
         outbox holds at most one response per stream, and a busier outbox sends fewer,
         longer ones."""
+        first = not self.updated
         self.rounds_unsent, self.updated = 0, True
         with self.lock:
             if self.pending:
                 return
             self.pending = True
-        self.post(self._send_kept)
+        self.post(Urgent(self._send_kept) if first else self._send_kept)
 
     def _send_kept(self) -> None:
         """The tokens kept since the last response, or a heartbeat (not streaming: no
@@ -218,6 +234,8 @@ class ResponseStream:
         cancel a step already running)."""
         with self.lock:
             self.pending = False
+            if self.closed:  # the final response went ahead of this one and took its tokens
+                return
             if not self.request.stream:
                 response = self.response([], [])
             elif len(self.generated) > self.sent:
@@ -259,11 +277,18 @@ class ResponseStream:
             response = self.response(prompt + self.generated, [], 0, summary, True)
             if self.decode is not None:  # the whole text, the prompt's too when it is repeated
                 response = replace(response, text=self.decode(prompt + self.generated))
-        if self.request.stream:
-            self.send_update()  # tokens the interval kept back go out first
         arrays = response_arrays(response, self.request)
-        self.post(lambda: self.send(arrays, True))
+        self.post(Urgent(lambda: self._send_final(arrays)))
         return outcome
+
+    def _send_final(self, arrays: dict) -> None:
+        """The tokens the interval kept back (streaming), then the final response; a
+        response of this stream still waiting behind it sends nothing."""
+        if self.request.stream:
+            self._send_kept()
+        with self.lock:
+            self.closed = True
+        self.send(arrays, True)
 
 
 def start_request(pipeline, request: ServingRequest, send: Send, stop_reason: StopReason,
