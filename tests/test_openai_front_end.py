@@ -273,3 +273,72 @@ def test_while_draining_new_requests_get_503_and_health_says_so(front, http):
     assert response.status_code == 503 and response.json()["error"]["code"] == "service_unavailable"
     assert http.get("/health").status_code == 503
     assert front.gate.in_flight == 0
+
+
+class FakeCall:
+    """A streaming gRPC call as tritonclient's asyncio client returns it: the responses,
+    then the end of the call once the request side has closed."""
+
+    def __init__(self, requests, results):
+        self.requests, self.results, self.cancelled = requests, results, False
+        self.stream = self.responses()
+
+    def __aiter__(self):  # as tritonclient's: iterated again, it goes on where it was
+        return self
+
+    async def __anext__(self):
+        return await self.stream.__anext__()
+
+    async def responses(self):
+        await self.requests.__anext__()  # the request goes out first
+        for result in self.results:
+            yield result, None
+        async for _ in self.requests:  # the call ends when the client closes its side
+            pass
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_a_finished_call_is_closed_from_our_side_and_one_left_early_is_cancelled(monkeypatch):
+    """Cancelled just after its final response, a call could keep the model from unloading
+    at shutdown; a stream the front end leaves early (a stop string, a client gone) is
+    cancelled, so Triton stops the generation."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from saguaro.serving import ssd_stream
+    from saguaro.serving.openai_protocol import GenerationParams
+
+    def result(ids, finish=None):
+        arrays = {"output_ids": np.array([ids], np.int32)}
+        if finish:
+            arrays["finish_reason"] = np.array([[finish.encode()]], object)
+        return SimpleNamespace(as_numpy=arrays.get)
+
+    calls = []
+
+    def stream_infer(requests):
+        calls.append(FakeCall(requests, [result([5, 6]), result([7]), result([], "length")]))
+        return calls[-1]
+
+    stream = ssd_stream.SsdStream("unused")
+    monkeypatch.setattr(ssd_stream.SsdStream, "client", SimpleNamespace(stream_infer=stream_infer))
+    params = GenerationParams([1, 2], max_tokens=3, temperature=0.0, top_p=1.0, top_k=0, seed=None, stops=[],
+                              stream=True, include_usage=False)
+
+    async def whole():
+        return [r async for r in stream.rounds(params)]
+
+    async def first_only():
+        rounds = stream.rounds(params)
+        first = await rounds.__anext__()
+        await rounds.aclose()
+        return first
+
+    rounds = asyncio.run(whole())
+    assert [r.ids for r in rounds] == [[5, 6], [7], []] and rounds[-1].finish_reason == "length"
+    assert not calls[0].cancelled
+    assert asyncio.run(first_only()).ids == [5, 6] and calls[1].cancelled
