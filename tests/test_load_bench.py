@@ -14,7 +14,8 @@ pytestmark = pytest.mark.server
 def test_the_load_benchmark_measures_every_mode_at_every_concurrency(tiny_engines, tmp_path, capsys):
     out = tmp_path / "figures"
     assert main(["--engines", str(tiny_engines), "--concurrency", "1,3", "--max-tokens", "8", "--repeats", "2",
-                 "--min-requests", "3", "--modes", "ar,ssd", "--no-sampled", "--out", str(out)]) == 0
+                 "--requests-per-stream", "2", "--min-requests", "3", "--modes", "ar,ssd", "--no-sampled",
+                 "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     levels = json.loads((out / "load.json").read_text())["greedy"]
     assert [(level["mode"], level["concurrency"]) for level in levels] == [
