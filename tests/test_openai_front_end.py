@@ -293,8 +293,9 @@ class FakeCall:
         await self.requests.__anext__()  # the request goes out first
         for result in self.results:
             yield result, None
-        async for _ in self.requests:  # the call ends when the client closes its side
-            pass
+        if self.results and self.results[-1].as_numpy("finish_reason") is not None:
+            async for _ in self.requests:  # after the final response, when the client closes its side
+                pass
 
     def cancel(self):
         self.cancelled = True
@@ -318,10 +319,10 @@ def test_a_finished_call_is_closed_from_our_side_and_one_left_early_is_cancelled
             arrays["finish_reason"] = np.array([[finish.encode()]], object)
         return SimpleNamespace(as_numpy=arrays.get)
 
-    calls = []
+    calls, finals = [], [result([], "length")]
 
     def stream_infer(requests):
-        calls.append(FakeCall(requests, [result([5, 6]), result([7]), result([], "length")]))
+        calls.append(FakeCall(requests, [result([5, 6]), result([7]), *finals]))
         return calls[-1]
 
     stream = ssd_stream.SsdStream("unused")
@@ -342,3 +343,5 @@ def test_a_finished_call_is_closed_from_our_side_and_one_left_early_is_cancelled
     assert [r.ids for r in rounds] == [[5, 6], [7], []] and rounds[-1].finish_reason == "length"
     assert not calls[0].cancelled
     assert asyncio.run(first_only()).ids == [5, 6] and calls[1].cancelled
+    finals[:] = []  # a call that ends without a final response: its rounds, each once
+    assert [r.ids for r in asyncio.run(whole())] == [[5, 6], [7]] and calls[2].cancelled

@@ -28,6 +28,7 @@ from saguaro.serving.requests import ServingRequest
 
 Send = Callable[[dict, bool], None]  # (response arrays, whether this is the final response)
 Post = Callable[[Callable[[], None]], None]  # runs work later, in order (one sender thread)
+StopReason = Callable[[], "str | None"]  # why the generation must stop now, or None
 
 
 class Urgent:
@@ -42,7 +43,6 @@ class Urgent:
 
     def __call__(self) -> None:
         self.work()
-StopReason = Callable[[], "str | None"]  # why the generation must stop now, or None
 
 
 def first_stop_end(generated: list[int], start: int, stops: list[list[int]]) -> int | None:

@@ -143,9 +143,10 @@ class SsdStream:
             done.set()  # our side of the stream closes
             if not ended:
                 call.cancel()  # left early: Triton cancels the generation
-        # The call ends once Triton has seen our side close. Cancelled instead just after
-        # the final response, Triton sometimes kept the call's state, and with it the
-        # model, which then never unloaded at shutdown (15 s, then "Exit timeout expired").
-        async for _ in call:
-            pass
-        yield answer
+        if ended:
+            # The call ends once Triton has seen our side close. Cancelled instead just after
+            # the final response, Triton sometimes kept the call's state, and with it the
+            # model, which then never unloaded at shutdown (15 s, then "Exit timeout expired").
+            async for _ in call:
+                pass
+            yield answer
