@@ -636,18 +636,67 @@ def test_generate_says_what_the_policy_chose():
                                             "pre-speculation in 90% of rounds; acceptance 0.71 per draft; no probe")
 
 
-def test_a_decoder_shortens_the_gil_switch_interval_so_the_target_is_not_kept_waiting(tiny_pair):
+def test_the_gil_switch_interval_is_short_only_while_the_draft_worker_runs_beside_the_target(tiny_pair,
+                                                                                             monkeypatch):
     """The draft worker's Python must not hold the target's thread for CPython's default 5 ms
-    each time it comes back from an engine call."""
+    each time it comes back from an engine call; but a short interval all the time hands
+    the GIL between every thread of a server (the scheduler's host work waited on the
+    response senders): outside pre-speculation the process keeps its own."""
     import sys
 
-    from saguaro.runtime.decoding.decoder import GIL_SWITCH_SECONDS
+    from saguaro.runtime.decoding.decoder import Decoder
+    from saguaro.runtime.decoding.gil import GIL_SWITCH_SECONDS
 
+    seen: dict[str, list[float]] = {"prespeculating": [], "verifying": []}
+    prespeculate = Decoder.prespeculate
+
+    def recorded_prespeculation(self, batch):
+        seen["prespeculating"].append(sys.getswitchinterval())
+        return prespeculate(self, batch)
+
+    monkeypatch.setattr(Decoder, "prespeculate", recorded_prespeculation)
     previous = sys.getswitchinterval()
     sys.setswitchinterval(0.005)
     try:
-        Pipeline.load(tiny_pair / "target", tiny_pair / "draft").close()
-        assert sys.getswitchinterval() <= GIL_SWITCH_SECONDS < 0.005
+        pipeline = Pipeline.load(tiny_pair / "target", tiny_pair / "draft")
+        verify_batch = pipeline.target.verify_batch
+
+        def recorded_verification(steps):
+            seen["verifying"].append(sys.getswitchinterval())
+            return verify_batch(steps)
+
+        monkeypatch.setattr(pipeline.target, "verify_batch", recorded_verification)
+        prompt = [1, 2, 3, 4, 5]
+        pipeline.generate(prompt, DecodeOptions(mode="autoregressive", max_tokens=8, eos_token_id=-1),
+                          SamplingParams())
+        assert seen["verifying"] and set(seen["verifying"]) == {0.005}
+        assert sys.getswitchinterval() == 0.005
+        pipeline.generate(prompt, DecodeOptions(mode="ssd", num_draft_tokens=3, max_tokens=8, eos_token_id=-1),
+                          SamplingParams())
+        pipeline.close()
+        assert seen["prespeculating"] and max(seen["prespeculating"]) <= GIL_SWITCH_SECONDS < 0.005
+        assert sys.getswitchinterval() == 0.005
+    finally:
+        sys.setswitchinterval(previous)
+
+
+def test_the_switch_interval_stays_short_until_the_last_worker_beside_a_target_is_done():
+    """Decoders sharing a process (per-request batching) each shorten it: counted."""
+    import sys
+
+    from saguaro.runtime.decoding.gil import SwitchInterval
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(0.004)
+    interval = SwitchInterval(0.0003)
+    try:
+        first, second = interval.shortened(), interval.shortened()
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        assert sys.getswitchinterval() == 0.0003  # the second worker still runs
+        second.__exit__(None, None, None)
+        assert sys.getswitchinterval() == 0.004
     finally:
         sys.setswitchinterval(previous)
 
@@ -714,7 +763,8 @@ def test_speculation_off_at_a_load_no_k_could_beat_holds_while_requests_join_and
     """A compute-bound target at 16 requests, where no K could pay: the choice is not
     weighed again as requests are replaced, join or leave (it was, each time, and weighing
     every K for every request cost more than a round of the tiny engines) until
-    QUIET_ROUNDS rounds are up; a smaller batch where some K could pay is weighed at once."""
+    QUIET_ROUNDS rounds are up, twice as many for the next such choice; a smaller batch where
+    some K could pay is weighed at once."""
     policy = policy_with(measured(0.0001, 0.001), measured(0.0008, 0.0005), acceptance=0.0)
     weighed = []
     best = policy._best
@@ -740,7 +790,11 @@ def test_speculation_off_at_a_load_no_k_could_beat_holds_while_requests_join_and
     del batch[12:]
     rounds(1)
     assert len(weighed) == 2 * chosen_once  # fewer requests, and still no K could pay
+    rounds(2 * QUIET_ROUNDS - 2)
+    assert len(weighed) == 2 * chosen_once  # the second such choice in a row holds twice as long
+    rounds(1)
+    assert len(weighed) == 3 * chosen_once
     policy.verify_cost = measured(0.005, 0.00002)  # weight-bound now: drafting could pay ...
     del batch[1:]
     policy.choose(batch)
-    assert len(weighed) == 3 * chosen_once  # ... so the smaller batch is weighed again
+    assert len(weighed) == 4 * chosen_once  # ... so the smaller batch is weighed again

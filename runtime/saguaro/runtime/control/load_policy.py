@@ -92,6 +92,10 @@ REPLAN_ROUNDS = 8
 # many, through requests joining and leaving (`_quiet_holds`): weighing every K for 16
 # requests takes 1.5-2 ms of Python, longer than a whole round on the tiny engines.
 QUIET_ROUNDS = PROBE_PERIOD
+# Each such choice in a row holds twice as long, up to 2^this times: the weighing it
+# repeats (1.5-2 ms every 32 rounds at 16 streams) is a share of a busy server's rounds,
+# while a batch that shrinks is still asked at once whether some K could pay.
+QUIET_BACKOFF = 3
 # How far a verification on the session tried once a period (`runs_alone`) moves its curve:
 # measured once in PROBE_PERIOD rounds, at the curves' usual following a curve a busy spell
 # had inflated took hundreds of rounds to come back (a third of an autoregressive run at 4
@@ -153,6 +157,7 @@ class LoadPolicy:
         self._trial = False  # this round verifies on the session tried once a period
         self._kept: _KeptChoice | None = None  # the last choice, while its batch runs on
         self._hopeless = False  # the last choice: K = 0 for all, and no K could pay at this load
+        self._hopeless_choices = 0  # such choices in a row
         # rounds since a request of each kind (greedy or sampled) last probed: the estimate a
         # probe measures is shared by every request of its kind, so one probe a period serves
         # the batch (each of 4 requests probing on its own period had a draft forward in one
@@ -278,7 +283,7 @@ class LoadPolicy:
     def _quiet_holds(self, batch) -> bool:
         """Speculation was turned off for every request and no K could pay at that load
         (`_hopeless`): then requests joining and leaving do not make it weigh every K again
-        until the choice's rounds are up. At 16 streams through the server a request joins
+        until the choice's rounds are up (`quiet_rounds`, longer for each such choice in a row). At 16 streams through the server a request joins
         or leaves every few rounds; weighing every K for every request each time (1.5-2 ms
         of Python) had cost SSD with the policy a fifth of autoregressive speed on the tiny
         engines, whose rounds take 1.4 ms. A batch that lost requests, which might pay, is
@@ -364,7 +369,8 @@ class LoadPolicy:
                    for speculating in self._speculation_choices(candidates)]
         speculating, candidates, ks = max(choices, key=lambda choice: self._rate(choice[1], choice[2]))
         self._hopeless = self._nothing_could_pay(candidates, ks)
-        held = QUIET_ROUNDS if self._hopeless else REPLAN_ROUNDS
+        self._hopeless_choices = self._hopeless_choices + 1 if self._hopeless else 0
+        held = quiet_rounds(self._hopeless_choices) if self._hopeless else REPLAN_ROUNDS
         self._kept = _KeptChoice(speculating, ks, held - 1)
         self._kept.follow(batch)
         return candidates, ks
@@ -534,6 +540,11 @@ def probe_period(rejected: int) -> int:
     catch-up and a wider verify had cost the policy a tenth of autoregressive speed at 2-4
     streams through the server), and one accepted draft brings the period back."""
     return PROBE_PERIOD << min(rejected, PROBE_BACKOFF)
+
+
+def quiet_rounds(hopeless_choices: int) -> int:
+    """Rounds the `hopeless_choices`-th choice in a row of K = 0 that no K could beat holds."""
+    return QUIET_ROUNDS << min(hopeless_choices - 1, QUIET_BACKOFF)
 
 
 def prespeculates(candidates: list["_Candidate"], ks: list[int]) -> bool:

@@ -16,7 +16,6 @@ if any, were made before it), so the target verifies alone, on the draft's core 
 """
 from __future__ import annotations
 
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -30,16 +29,10 @@ from saguaro.runtime.core.contracts import Draft, RequestTarget, SpeculationCach
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.core.stats import GenerationStats, stopwatch
+from saguaro.runtime.decoding.gil import beside_the_target
 from saguaro.runtime.decoding.rounds import take_speculation
 from saguaro.runtime.decoding.speculator import Speculator, empty_draft, lockstep
 from saguaro.runtime.decoding.verifier import Verifier
-
-# While the target's thread waits in an engine call the draft worker runs Python (branch
-# planning, commits), holding the GIL; back from the call, the target's thread waits for it
-# up to CPython's switch interval (5 ms by default) each time. Measured (ONNX Runtime int8,
-# SmolLM2-135M, a verify of 5 tokens): 17.8 ms alone, 62 ms beside a Python-bound thread at
-# 5 ms, 20 ms at 0.2 ms.
-GIL_SWITCH_SECONDS = 0.0002
 
 OnTokens = Callable[[list[int]], None]
 Cancelled = Callable[[], bool]
@@ -254,7 +247,6 @@ class Decoder:
         """`alone` False: other decoders share the engines, so the target never runs alone."""
         self.target, self.draft, self.alone = target, draft, alone
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="draft")
-        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_SECONDS))  # process-wide
         self.load_policy = LoadPolicy(target, draft, alone)
         if alone and not isinstance(target, RequestTarget):  # a request target decodes on its own
             # the target's wide session opened at load (SmolLM2 int8: 0.24 s), not in the
@@ -300,14 +292,14 @@ class Decoder:
         tokens = sum(len(step.step.tokens) for step in steps)
         alone = self.alone and not speculating and self.load_policy.runs_alone(tokens)
         # no hand-off to the worker for nothing: waking it costs a tiny engine's round a tenth
-        pending = speculating and self.worker.submit(self.prespeculate, speculating)
+        pending = speculating and self.worker.submit(beside_the_target, self.prespeculate, speculating)
         # the draft's core is free while a round without pre-speculation verifies on its own
         # core: sequences that draft nothing bring their draft caches up to date meanwhile,
         # so that a probe, or speculation coming back, has only the newest tokens to feed
         lagging = [] if alone or speculating else [s for s in batch if s.draft_lags]
         share = lagging and self.load_policy.catch_up_share(tokens, len(lagging))
-        catching = share and self.worker.submit(lockstep, self.draft, [s.drafter.catch_up(s.out.ids, share)
-                                                                    for s in lagging])
+        catching = share and self.worker.submit(beside_the_target, lockstep, self.draft,
+                                                [s.drafter.catch_up(s.out.ids, share) for s in lagging])
         with stopwatch() as verifying, self.target.run_alone() if alone else nullcontext():
             outcomes = self.target.verify_batch(steps)
         with stopwatch() as waiting:

@@ -18,6 +18,7 @@ from concurrent.futures import Executor, Future
 from saguaro.runtime.control.budget import bonus_rank
 from saguaro.runtime.core.contracts import Draft, SpeculationCache, VerifyResult
 from saguaro.runtime.core.stats import GenerationStats, timed
+from saguaro.runtime.decoding.gil import beside_the_target
 from saguaro.runtime.decoding.speculator import Speculator, lockstep
 
 
@@ -53,7 +54,7 @@ class DraftRounds:
     def prespeculate(self, ids, proposal: Draft) -> None:
         """Start pre-speculating the outcomes of verifying `proposal` after `ids`."""
         if self.prespeculating:
-            self._pending = self.worker.submit(self._prespeculate, list(ids), proposal)
+            self._pending = self.worker.submit(beside_the_target, self._prespeculate, list(ids), proposal)
 
     def _prespeculate(self, ids, proposal: Draft) -> SpeculationCache:
         """Runs in the worker, so even choosing the fan-out stays off the critical path."""
