@@ -180,3 +180,62 @@ def test_a_ragged_batch_packs_row_by_slot_with_idle_rows_padding_and_masks():
     ]
     assert packed.scored == [3, 2, 1]
     assert packed.scored_positions.tolist() == [[0, 1, 0], [0, 0, 0], [0, 1, 2], [1, 0, 0]]
+
+
+class TorchCalls:
+    """The torch functions and tensor methods called inside the block, by name."""
+
+    def __init__(self):
+        from torch.overrides import TorchFunctionMode
+
+        names = self.names = []
+
+        class Recording(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                names.append(getattr(func, "__name__", str(func)))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Recording()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *failure):
+        return self.mode.__exit__(*failure)
+
+
+def test_a_greedy_round_without_drafts_makes_no_torch_call_that_waits_for_the_gil(tiny_engines):
+    """Each torch call releases the GIL and waits to take it back: in the server, behind the
+    threads that send responses, the tensors that rounds of autoregressive steps built anew
+    (and read back) had cost the scheduler's thread more than the batch's forward. A greedy
+    round without drafts, from the verifier's steps to the engine's outcomes, only reads
+    tensors' lengths, shapes and values as lists; its tokens are the target's argmax."""
+    import torch
+
+    from saguaro.runtime.core.contracts import Step
+    from saguaro.runtime.decoding.speculator import empty_draft
+    from saguaro.runtime.decoding.verifier import Verifier
+
+    pipeline = Pipeline.load(engines=tiny_engines)
+    target, histories = pipeline.target, [[5, 9, 2, 7], [3, 4], [8, 1, 6]]
+    try:
+        verifiers = [Verifier(target, SamplingParams(), 0) for _ in histories]
+        checks = [Verifier(target, SamplingParams(), 0).cache for _ in histories]
+        target.forward_rows([verifier.prefill(ids) for verifier, ids in zip(verifiers, histories)])
+        target.forward_rows([Step(cache, torch.tensor(ids[:-1]), torch.arange(len(ids) - 1))
+                             for cache, ids in zip(checks, histories)])
+        nothing = empty_draft(target.info.vocab_size, SamplingParams())
+        for _ in range(2):  # the second round reuses the first one's tensors
+            with TorchCalls() as calls:
+                outcomes = target.verify_batch([verifier.round(ids, nothing, 0)
+                                                for verifier, ids in zip(verifiers, histories)])
+            assert set(calls.names) <= {"tolist", "__len__", "__get__"}, calls.names
+            rows = target.forward_rows([Step(cache, torch.tensor(ids[-1:]), torch.tensor([len(ids) - 1]))
+                                        for cache, ids in zip(checks, histories)])
+            assert [(outcome.accepted, outcome.bonus) for outcome in outcomes] == [
+                (0, int(row.logits[0].argmax())) for row in rows]
+            for ids, outcome in zip(histories, outcomes):
+                ids.append(outcome.bonus)
+    finally:
+        pipeline.close()

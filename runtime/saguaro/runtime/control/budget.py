@@ -24,10 +24,13 @@ class StaticFanout:
         if len(fanout) != num_draft_tokens + 1:
             raise ValueError(f"fanout needs 1 or K+1 = {num_draft_tokens + 1} values, got {fanout}")
         self._fanout = torch.tensor(fanout, dtype=torch.int64)
+        # summed here, not from the tensor: a server checks it for every request it takes,
+        # and each torch call releases the GIL and waits behind the decoding thread
+        self._total = sum(fanout)
 
     @property
     def max_branches(self) -> int:
-        return int(self._fanout.sum())
+        return self._total
 
     def fanout(self, depths: int | None = None, cap: int | None = None) -> torch.Tensor:
         return within_cap(self._fanout[:depths], cap)

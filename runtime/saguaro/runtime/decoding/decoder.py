@@ -205,7 +205,7 @@ class Sequence:
         self.stats.record_round(outcome.accepted, len(drafted), self.plan.probe, speculation is not None,
                                 self.after_hit)
         self.observe_features(len(self.out.ids) - 1, outcome.hidden)
-        self.out.commit(drafted[:outcome.accepted].tolist() + [outcome.bonus], outcome.logprobs)
+        self.out.commit(drafted.tolist()[:outcome.accepted] + [outcome.bonus], outcome.logprobs)
         self.proposal = None if self.speculator is not None else self.empty
         self.after_hit = False
         if self.done or speculation is None:

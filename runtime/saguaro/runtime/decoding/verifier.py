@@ -11,12 +11,19 @@ import torch
 from saguaro.runtime.core.contracts import Draft, Step, VerifyResult, VerifyStep, target_cache_capacity
 from saguaro.runtime.core.sampling import SamplingParams, verification_uniforms
 
+NO_DRAFTS = torch.empty(0, dtype=torch.int64)  # never written: a round's drafts are read only
+
 
 class Verifier:
 
     def __init__(self, engine, sampling: SamplingParams, num_draft_tokens: int):
         self.sampling = sampling
         self.cache = engine.new_cache(target_cache_capacity(engine.info.max_context, num_draft_tokens))
+        # a round without drafts feeds `[last]` at one position: tensors kept from round to
+        # round, written through numpy views (`_undrafted`)
+        self._last, self._position = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        self._last_view, self._position_view = self._last.numpy(), self._position.numpy()
+        self._greedy_uniforms = torch.zeros(1)
 
     def prefill(self, prompt_ids: list[int]) -> Step | None:
         if len(prompt_ids) < 2:
@@ -27,6 +34,8 @@ class Verifier:
     def round(self, ids: list[int], draft: Draft, num_tokens: int, logprobs: bool = False) -> VerifyStep:
         """Verification of the first `num_tokens` drafts after the committed `ids`
         (`logprobs`: the target's log-probabilities of the committed tokens too)."""
+        if not num_tokens and self.sampling.greedy:
+            return self._undrafted(ids, logprobs)
         start = len(ids) - 1
         drafts = draft.tokens[:num_tokens]
         tokens = torch.tensor([ids[-1], *drafts.tolist()])  # one small tensor: a cat costs twice as much
@@ -34,6 +43,16 @@ class Verifier:
         uniforms = verification_uniforms(self.sampling, positions[1:], first_new=len(ids))
         probs = None if draft.probs is None else draft.probs[:num_tokens]
         return VerifyStep(Step(self.cache, tokens, positions), drafts, probs, uniforms, self.sampling, logprobs)
+
+    def _undrafted(self, ids: list[int], logprobs: bool) -> VerifyStep:
+        """A greedy round with no drafts (an autoregressive step) without a torch call: each
+        releases the GIL and waits to take it back, and in the server, beside the threads
+        that send responses, building these tensors anew (four calls) had cost the
+        scheduler's thread more than the batch's forward at 16 streams. The step is used
+        within its round (packed into the batch's arrays) and not kept."""
+        self._last_view[0], self._position_view[0] = ids[-1], len(ids) - 1
+        step = Step(self.cache, self._last, self._position)
+        return VerifyStep(step, NO_DRAFTS, None, self._greedy_uniforms, self.sampling, logprobs)
 
     def keep(self, ids: list[int], outcome: VerifyResult) -> None:
         self.cache.truncate(len(ids) + outcome.accepted)  # roll back the rejected drafts

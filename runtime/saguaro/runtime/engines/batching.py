@@ -68,9 +68,11 @@ def pack_steps(steps: Sequence[Step]) -> PackedBatch:
     token_rows = np.repeat(rows, counts)
     token_columns = np.arange(token_rows.size) - np.repeat(np.cumsum(counts) - counts, counts)
     input_ids = np.zeros((batch, width), np.int64)
-    input_ids[token_rows, token_columns] = np.concatenate([step.tokens.numpy() for step in steps])
+    # read as lists: `.numpy()` is a torch call, and each releases the GIL and waits to take
+    # it back (in the server, behind the threads that send responses)
+    input_ids[token_rows, token_columns] = [token for step in steps for token in step.tokens.tolist()]
     position_ids = np.zeros((batch, width), np.int64)
-    position_ids[token_rows, token_columns] = np.concatenate([step.positions.numpy() for step in steps])
+    position_ids[token_rows, token_columns] = [position for step in steps for position in step.positions.tolist()]
     seqlens_k = np.zeros(batch, np.int32)  # idle rows: one (unread) cached entry
     seqlens_k[rows] = lengths - 1
     query_seqlens = np.zeros(batch, np.int32)

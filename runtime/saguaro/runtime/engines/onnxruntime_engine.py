@@ -119,6 +119,11 @@ def scored_tokens(session: ort.InferenceSession) -> torch.Tensor | None:
     return None if listed is None else torch.tensor([int(token) for token in listed.split(",")])
 
 
+def takes_the_argmax(item: VerifyStep) -> bool:
+    """A round with nothing to verify and nothing to return but its greedy token."""
+    return not len(item.draft_tokens) and item.sampling.greedy and not item.logprobs
+
+
 def output_width(session: ort.InferenceSession, name: str) -> int:
     """The last dimension of the graph's output `name`; 0 when the graph has no such output."""
     return next((output.shape[-1] for output in session.get_outputs() if output.name == name), 0)
@@ -170,10 +175,18 @@ class OnnxRuntimeEngine(OneSequenceForms):
         return [rows.logits for rows in self.forward_rows(steps)]
 
     def forward_rows(self, steps: Sequence[Step]) -> list[Rows]:
+        return self._rows(*self._forward(steps))
+
+    def _forward(self, steps: Sequence[Step]) -> tuple[PackedBatch, np.ndarray, np.ndarray | None]:
+        """The batched forward, each step's cache grown by its tokens: the scores and hidden
+        states as the graph returns them, batch row by batch row."""
         packed = pack_steps(steps)
         scores, hidden = self._run_model(packed, self.extra_inputs(steps, packed))
         for step, count in zip(steps, packed.counts):
             step.cache.length += count
+        return packed, scores, hidden
+
+    def _rows(self, packed: PackedBatch, scores: np.ndarray, hidden: np.ndarray | None) -> list[Rows]:
         logits = self.spread(torch.from_numpy(scores))
         return [Rows(logits[row, :scored], None if hidden is None else torch.from_numpy(hidden[row, :count]))
                 for row, count, scored in zip(packed.rows, packed.counts, packed.scored)]
@@ -242,15 +255,22 @@ class OnnxRuntimeEngine(OneSequenceForms):
             if len(item.step.tokens) != k + 1 or len(item.uniforms) != k + 1:
                 raise ValueError(f"verify takes K+1 = {k + 1} tokens ([last, d_1..d_K]) and uniforms, "
                                  f"got {len(item.step.tokens)} and {len(item.uniforms)}")
-        rows = self.forward_rows([item.step for item in steps])
+        packed, scores, hidden = self._forward([item.step for item in steps])
+        if hidden is None and self.scored_tokens is None and all(map(takes_the_argmax, steps)):
+            # every round one greedy autoregressive step: its token is the row's argmax (the
+            # first maximum, as the graph's greedy branch takes it), read from the graph's
+            # array itself. Each torch call releases the GIL and waits to take it back: in the
+            # server, beside the threads that send responses, the per-row tensors had cost
+            # the scheduler more than the forward.
+            return [VerifyResult(0, int(scores[row, 0].argmax())) for row in packed.rows]
+        rows = self._rows(packed, scores, hidden)
         return [self._fused_verify(logits, hidden, item) for (logits, hidden), item in zip(rows, steps)]
 
     def _fused_verify(self, logits: torch.Tensor, hidden: torch.Tensor | None, item: VerifyStep) -> VerifyResult:
         k, sampling = len(item.draft_tokens), item.sampling
         if k == 0 and sampling.greedy:
-            # Nothing to verify: the token is the argmax, the first maximum as the graph's
-            # greedy branch takes it, without a session run per sequence (at 16 streams of
-            # autoregressive decoding those had cost a sixth of the round).
+            # Nothing to verify: the token is the argmax, without a session run per sequence
+            # (at 16 streams of autoregressive decoding those had cost a sixth of the round).
             return verify_result(0, int(np.argmax(logits[0].numpy())), logits, item, hidden)
         probs = self._no_draft_probs[:k] if item.draft_probs is None else item.draft_probs.float().numpy()
         feeds = {"target_logits": logits.numpy(), "draft_tokens": item.draft_tokens.numpy().astype(np.int64),
