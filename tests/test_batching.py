@@ -8,6 +8,7 @@ import threading
 
 import pytest
 from checkpoints import build_small_engines
+from torch_calls import KEEPS_THE_GIL, TorchCalls
 
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
@@ -182,29 +183,6 @@ def test_a_ragged_batch_packs_row_by_slot_with_idle_rows_padding_and_masks():
     assert packed.scored_positions.tolist() == [[0, 1, 0], [0, 0, 0], [0, 1, 2], [1, 0, 0]]
 
 
-class TorchCalls:
-    """The torch functions and tensor methods called inside the block, by name."""
-
-    def __init__(self):
-        from torch.overrides import TorchFunctionMode
-
-        names = self.names = []
-
-        class Recording(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                names.append(getattr(func, "__name__", str(func)))
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Recording()
-
-    def __enter__(self):
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *failure):
-        return self.mode.__exit__(*failure)
-
-
 def test_a_greedy_round_without_drafts_makes_no_torch_call_that_waits_for_the_gil(tiny_engines):
     """Each torch call releases the GIL and waits to take it back: in the server, behind the
     threads that send responses, the tensors that rounds of autoregressive steps built anew
@@ -230,7 +208,7 @@ def test_a_greedy_round_without_drafts_makes_no_torch_call_that_waits_for_the_gi
             with TorchCalls() as calls:
                 outcomes = target.verify_batch([verifier.round(ids, nothing, 0)
                                                 for verifier, ids in zip(verifiers, histories)])
-            assert set(calls.names) <= {"tolist", "__len__", "__get__"}, calls.names
+            assert set(calls.names) <= KEEPS_THE_GIL, calls.names
             rows = target.forward_rows([Step(cache, torch.tensor(ids[-1:]), torch.tensor([len(ids) - 1]))
                                         for cache, ids in zip(checks, histories)])
             assert [(outcome.accepted, outcome.bonus) for outcome in outcomes] == [

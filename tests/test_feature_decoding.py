@@ -134,8 +134,8 @@ def test_features_are_projected_when_a_draft_needs_them_in_one_call():
     engine, rows = CountingProjection(), torch.randn(9, 6, generator=torch.Generator().manual_seed(1))
     features = DraftFeatures(engine)
     features.observe(0, rows[:5])       # a prompt
-    for position in range(5, 8):        # three rounds with nothing drafted
-        features.observe(position, rows[position:position + 1])
+    for position in range(5, 8):        # three rounds with nothing drafted (numpy rows, as ONNX Runtime gives them)
+        features.observe(position, rows[position:position + 1].numpy())
     features.observe(7, rows[8:9])      # position 7 again: a rollback replaced it
     assert engine.calls == 0
     expected = torch.cat([rows[:7], rows[8:9]]) @ engine.weight

@@ -16,6 +16,7 @@ import onnx
 import pytest
 import torch
 from checkpoints import build_engines_cli, random_head
+from torch_calls import KEEPS_THE_GIL, TorchCalls
 
 from saguaro.compiler import fused_export
 from saguaro.compiler.builder import build_engines
@@ -209,6 +210,35 @@ def test_the_ort_draft_is_fed_what_the_torch_draft_is_fed(engines, references, m
     for (_, _, got_features), (_, _, want_features) in zip(got, want):
         assert_close(got_features, want_features)
     assert len(got) > 10
+
+
+def test_a_round_without_drafts_gives_the_targets_features_with_no_torch_call(engines):
+    """A greedy round with nothing drafted, on a target that returns feature layers: its
+    token and features are those of the same forward's rows, read from the graph's arrays
+    with no torch call that would release the GIL (an SSD request keeps them for its
+    draft at every round, drafting or not)."""
+    from saguaro.runtime.decoding.speculator import empty_draft
+    from saguaro.runtime.decoding.verifier import Verifier
+
+    target, histories = engines[0], [PROMPT[:5], PROMPT[3:9]]
+    verifiers = [Verifier(target, GREEDY, 0) for _ in histories]
+    twins = [Verifier(target, GREEDY, 0).cache for _ in histories]
+    target.forward_rows([verifier.prefill(ids) for verifier, ids in zip(verifiers, histories)])
+    target.forward_rows([Step(cache, torch.tensor(ids[:-1]), torch.arange(len(ids) - 1))
+                         for cache, ids in zip(twins, histories)])
+    nothing = empty_draft(target.info.vocab_size, GREEDY)
+    with TorchCalls() as calls:
+        outcomes = target.verify_batch([verifier.round(ids, nothing, 0) for verifier, ids in zip(verifiers, histories)])
+    assert set(calls.names) <= KEEPS_THE_GIL, calls.names
+    rows = target.forward_rows([Step(cache, torch.tensor(ids[-1:]), torch.tensor([len(ids) - 1]))
+                                for cache, ids in zip(twins, histories)])
+    for outcome, row in zip(outcomes, rows):
+        assert (outcome.accepted, outcome.bonus) == (0, int(row.logits[0].argmax()))
+        assert_close(torch.from_numpy(outcome.hidden), row.hidden[:1])
+    for verifier in verifiers:
+        verifier.cache.release()
+    for cache in twins:
+        cache.release()
 
 
 def graph_ops(path) -> set[str]:

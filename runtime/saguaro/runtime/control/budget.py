@@ -23,17 +23,20 @@ class StaticFanout:
             fanout = fanout * (num_draft_tokens + 1)
         if len(fanout) != num_draft_tokens + 1:
             raise ValueError(f"fanout needs 1 or K+1 = {num_draft_tokens + 1} values, got {fanout}")
-        self._fanout = torch.tensor(fanout, dtype=torch.int64)
-        # summed here, not from the tensor: a server checks it for every request it takes,
-        # and each torch call releases the GIL and waits behind the decoding thread
-        self._total = sum(fanout)
+        # a list until a round drafts branches: a server makes one for every request it
+        # takes (its limits checked), and each torch call releases the GIL and waits for it
+        # behind the decoding thread
+        self._fanout = list(fanout)
+        self._tensor: torch.Tensor | None = None
 
     @property
     def max_branches(self) -> int:
-        return self._total
+        return sum(self._fanout)
 
     def fanout(self, depths: int | None = None, cap: int | None = None) -> torch.Tensor:
-        return within_cap(self._fanout[:depths], cap)
+        if self._tensor is None:
+            self._tensor = torch.tensor(self._fanout, dtype=torch.int64)
+        return within_cap(self._tensor[:depths], cap)
 
     def observe(self, accepted: int, bonus_rank: int) -> None:
         pass

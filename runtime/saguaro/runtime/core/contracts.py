@@ -170,7 +170,8 @@ class VerifyResult:
     accepted: int
     bonus: int
     logprobs: tuple[float, ...] | None = None
-    hidden: torch.Tensor | None = None  # [accepted + 1, features]
+    # [accepted + 1, features]; numpy rows from an ONNX Runtime round without drafts (no torch call)
+    hidden: torch.Tensor | np.ndarray | None = None
 
 
 class Engine(Protocol):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Generator, Sequence, TypeVar, cast
 
+import numpy as np
 import torch
 
 from saguaro.plugins.branch_draft.reference import commit_indices, feasible_fanout, step_mask
@@ -70,17 +71,20 @@ class DraftFeatures:
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.known: list[torch.Tensor] = []        # by position: the target's projected feature
-        self.unprojected: list[torch.Tensor] = []  # the target's features of the positions after those
+        self.known: list[torch.Tensor] = []      # by position: the target's projected feature
+        self.unprojected: list[np.ndarray] = []  # the target's features of the positions after those
         self.exact = 0
 
-    def observe(self, first_position: int, features: torch.Tensor) -> None:
-        """The target's features `[n, width]` of positions `first_position..`."""
+    def observe(self, first_position: int, features: torch.Tensor | np.ndarray) -> None:
+        """The target's features `[n, width]` of positions `first_position..` (kept as numpy
+        rows: a round without drafts observes them with no torch call, see
+        `OnnxRuntimeEngine.verify_batch`)."""
         if first_position < len(self.known):
             del self.known[first_position:]
             self.unprojected.clear()
         del self.unprojected[first_position - len(self.known):]
-        self.unprojected.extend(features.clone())  # not a view that holds its whole batch's rows
+        rows = features.numpy() if isinstance(features, torch.Tensor) else features
+        self.unprojected.extend(np.array(rows, np.float32))  # copied: not views that hold their whole batch's rows
 
     def before(self, first_position: int, count: int) -> torch.Tensor:
         """For tokens at `first_position..+count`: the features of the positions before
@@ -90,7 +94,7 @@ class DraftFeatures:
             raise RuntimeError(f"the target's features reach position {reach - 1}; a feature draft "
                                f"feeding positions up to {first_position + count - 1} needs those before them")
         if self.unprojected:
-            self.known.extend(self.engine.project(torch.stack(self.unprojected)))
+            self.known.extend(self.engine.project(torch.from_numpy(np.stack(self.unprojected))))
             self.unprojected.clear()
         zero = torch.zeros(self.engine.hidden_size)
         return torch.stack([self.known[p - 1] if p > 0 else zero for p in range(first_position, first_position + count)])

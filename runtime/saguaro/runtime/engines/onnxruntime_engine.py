@@ -256,13 +256,14 @@ class OnnxRuntimeEngine(OneSequenceForms):
                 raise ValueError(f"verify takes K+1 = {k + 1} tokens ([last, d_1..d_K]) and uniforms, "
                                  f"got {len(item.step.tokens)} and {len(item.uniforms)}")
         packed, scores, hidden = self._forward([item.step for item in steps])
-        if hidden is None and self.scored_tokens is None and all(map(takes_the_argmax, steps)):
+        if self.scored_tokens is None and all(map(takes_the_argmax, steps)):
             # every round one greedy autoregressive step: its token is the row's argmax (the
-            # first maximum, as the graph's greedy branch takes it), read from the graph's
-            # array itself. Each torch call releases the GIL and waits to take it back: in the
-            # server, beside the threads that send responses, the per-row tensors had cost
-            # the scheduler more than the forward.
-            return [VerifyResult(0, int(scores[row, 0].argmax())) for row in packed.rows]
+            # first maximum, as the graph's greedy branch takes it) and its features the
+            # row's, read from the graph's arrays themselves. Each torch call releases the
+            # GIL and waits to take it back: in the server, beside the threads that send
+            # responses, the per-row tensors had cost the scheduler more than the forward.
+            return [VerifyResult(0, int(scores[row, 0].argmax()), hidden=None if hidden is None else hidden[row, :1])
+                    for row in packed.rows]
         rows = self._rows(packed, scores, hidden)
         return [self._fused_verify(logits, hidden, item) for (logits, hidden), item in zip(rows, steps)]
 
