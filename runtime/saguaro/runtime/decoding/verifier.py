@@ -6,12 +6,14 @@ The target's cache holds every committed token but the last, so a round feeds
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from saguaro.runtime.core.contracts import Draft, Step, VerifyResult, VerifyStep, target_cache_capacity
 from saguaro.runtime.core.sampling import SamplingParams, verification_uniforms
 
-NO_DRAFTS = torch.empty(0, dtype=torch.int64)  # never written: a round's drafts are read only
+# never written: a round's drafts and uniforms are read only
+NO_DRAFTS, GREEDY_UNIFORMS = torch.empty(0, dtype=torch.int64), torch.zeros(1)
 
 
 class Verifier:
@@ -21,9 +23,8 @@ class Verifier:
         self.cache = engine.new_cache(target_cache_capacity(engine.info.max_context, num_draft_tokens))
         # a round without drafts feeds `[last]` at one position: tensors kept from round to
         # round, written through numpy views (`_undrafted`)
-        self._last, self._position = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-        self._last_view, self._position_view = self._last.numpy(), self._position.numpy()
-        self._greedy_uniforms = torch.zeros(1)
+        self._last_view, self._position_view = np.zeros(1, np.int64), np.zeros(1, np.int64)
+        self._last, self._position = torch.from_numpy(self._last_view), torch.from_numpy(self._position_view)
 
     def prefill(self, prompt_ids: list[int]) -> Step | None:
         if len(prompt_ids) < 2:
@@ -52,7 +53,7 @@ class Verifier:
         within its round (packed into the batch's arrays) and not kept."""
         self._last_view[0], self._position_view[0] = ids[-1], len(ids) - 1
         step = Step(self.cache, self._last, self._position)
-        return VerifyStep(step, NO_DRAFTS, None, self._greedy_uniforms, self.sampling, logprobs)
+        return VerifyStep(step, NO_DRAFTS, None, GREEDY_UNIFORMS, self.sampling, logprobs)
 
     def keep(self, ids: list[int], outcome: VerifyResult) -> None:
         self.cache.truncate(len(ids) + outcome.accepted)  # roll back the rejected drafts
