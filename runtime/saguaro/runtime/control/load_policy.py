@@ -287,8 +287,8 @@ class LoadPolicy:
         row). At 16 streams through the server a request joins or leaves every few rounds;
         weighing every K for every request each time (1.5-2 ms of Python) had cost SSD with
         the policy a fifth of autoregressive speed on the tiny engines, whose rounds take
-        1.4 ms. A batch that lost requests, which might pay, is
-        asked only whether some K could (`_nothing_could_pay`: a few K for one request)."""
+        1.4 ms. A batch that lost requests, which might pay, is asked only whether some K
+        could (`_nothing_could_pay`: a few K for one request)."""
         kept = self._kept
         if not (self._hopeless and kept is not None and kept.rounds_left > 0
                 and all(sequence.adapts for sequence in batch)):
