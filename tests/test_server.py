@@ -175,17 +175,58 @@ def test_stop_words_end_the_text_after_them(pipeline, client):
     assert completion.text == pipeline.decode(generated[:generated.index(generated[stop_at]) + 1])
 
 
+def round_groups(decode, chunks: list[list[int]], pieces: list[str]) -> list[int] | None:
+    """How many of the runtime's rounds each streamed piece carries, when the pieces are its
+    rounds detokenised as the server must, each response one round or consecutive rounds
+    (a response still waiting in the outbox takes the next round's tokens); None if no such
+    grouping gives these pieces."""
+    def search(done: int, generated: list[int], piece: int) -> list[int] | None:
+        if piece == len(pieces) - 1:  # the final response: what the detokenizer held back
+            final = text_delta(decode, prefix_window(generated, len(generated)), [], final=True)
+            return [] if done == len(chunks) and final == pieces[piece] else None
+        for end in range(done + 1, len(chunks) + 1):
+            grouped = [token for chunk in chunks[done:end] for token in chunk]
+            if text_delta(decode, prefix_window(generated, len(generated)), grouped, final=False) == pieces[piece]:
+                rest = search(end, generated + grouped, piece + 1)
+                if rest is not None:
+                    return [end - done] + rest
+        return None
+    return search(0, [], 0)
+
+
 def test_streaming_delivers_every_token_once_and_in_order(pipeline, client):
     expected, chunks = reference(pipeline, PROMPTS[1], 60, end_id=-1)
-    decode, generated, pieces = pipeline.decode, [], []
-    for chunk in chunks:  # the runtime's rounds, detokenised as the server must
-        pieces.append(text_delta(decode, prefix_window(generated, len(generated)), chunk, final=False))
-        generated += chunk
-    pieces.append(text_delta(decode, prefix_window(generated, len(generated)), [], final=True))
     completion = complete(client, ensemble_inputs(PROMPTS[1], 60, True, end_id=-1))
     assert len(chunks) == expected.stats.rounds > 1
-    assert completion.pieces == pieces
+    groups = round_groups(pipeline.decode, chunks, completion.pieces)
+    assert groups is not None, f"the pieces are not the rounds in order: {completion.pieces}"
+    assert len(groups) > len(chunks) // 2  # streamed: alone, a stream gets about a response per round
     assert completion.text == pipeline.decode(expected.output_ids)
+
+
+def test_round_groups_finds_merged_rounds_and_refuses_lost_or_reordered_tokens(pipeline):
+    _, chunks = reference(pipeline, PROMPTS[1], 24, end_id=-1)
+    decode = pipeline.decode
+
+    def pieces_of(groups):
+        generated, pieces, done = [], [], 0
+        for size in groups:
+            grouped = [token for chunk in chunks[done:done + size] for token in chunk]
+            pieces.append(text_delta(decode, prefix_window(generated, len(generated)), grouped, final=False))
+            generated, done = generated + grouped, done + size
+        return pieces + [text_delta(decode, prefix_window(generated, len(generated)), [], final=True)]
+
+    merged = [1] * (len(chunks) - 3) + [2, 1]
+    found = round_groups(decode, chunks, pieces_of(merged))
+    assert found is not None and sum(found) == len(chunks)
+    assert "".join(pieces_of(found)) == "".join(pieces_of(merged))
+    one_each = pieces_of([1] * len(chunks))
+    lost = next(i for i, piece in enumerate(one_each[:-1]) if piece)
+    assert round_groups(decode, chunks, one_each[:lost] + one_each[lost + 1:]) is None
+    swap = next(i for i in range(len(one_each) - 2) if one_each[i] and one_each[i + 1] and
+                one_each[i] != one_each[i + 1])
+    swapped = one_each[:swap] + [one_each[swap + 1], one_each[swap]] + one_each[swap + 2:]
+    assert round_groups(decode, chunks, swapped) is None
 
 
 def test_eight_concurrent_streams_overlap_and_all_complete(pipeline, server):
