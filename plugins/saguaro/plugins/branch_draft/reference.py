@@ -21,7 +21,7 @@ import torch
 def candidate_scores(scores: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
     """Scores `[K+1, V]` with each depth's own next draft token `d_{j+1}` ruled out."""
     masked = scores.float().clone()
-    masked[torch.arange(draft_tokens.shape[0]), draft_tokens] = float("-inf")
+    masked[torch.arange(draft_tokens.shape[0], device=scores.device), draft_tokens] = float("-inf")
     return masked
 
 
@@ -44,15 +44,15 @@ def candidate_keys(scores: torch.Tensor, draft_tokens: torch.Tensor, fanout: tor
     masked = candidate_scores(scores, draft_tokens)
     widest = max(int(fanout.max()), 1)
     top_tokens = torch.topk(masked, widest, dim=-1).indices
-    rank = torch.arange(widest).expand(k + 1, widest)
-    depth = torch.arange(k + 1).unsqueeze(1).expand(k + 1, widest)
+    rank = torch.arange(widest, device=scores.device).expand(k + 1, widest)
+    depth = torch.arange(k + 1, device=scores.device).unsqueeze(1).expand(k + 1, widest)
     keep = rank < fanout.unsqueeze(1)
     return depth[keep], top_tokens[keep], rank[keep]
 
 
 def branch_positions(depth: torch.Tensor, context_length: int, num_steps: int) -> torch.Tensor:
     """`[num_steps, B]`: the position of the token each branch feeds at each step."""
-    steps = torch.arange(num_steps).unsqueeze(1)
+    steps = torch.arange(num_steps, device=depth.device).unsqueeze(1)
     return context_length + depth.unsqueeze(0) + steps
 
 
@@ -63,9 +63,9 @@ def tree_mask(depth: torch.Tensor, num_drafts: int, num_steps: int) -> torch.Ten
     branch entry `s'*B + b'` iff b' == b and s' <= s.
     """
     branches = depth.shape[0]
-    sees_drafts = torch.arange(num_drafts).unsqueeze(0) < depth.unsqueeze(1)
-    query_step = torch.arange(num_steps).repeat_interleave(branches)
-    query_branch = torch.arange(branches).repeat(num_steps)
+    sees_drafts = torch.arange(num_drafts, device=depth.device).unsqueeze(0) < depth.unsqueeze(1)
+    query_step = torch.arange(num_steps, device=depth.device).repeat_interleave(branches)
+    query_branch = torch.arange(branches, device=depth.device).repeat(num_steps)
     sees_own_chain = (query_branch.unsqueeze(1) == query_branch.unsqueeze(0)) & (
         query_step.unsqueeze(0) <= query_step.unsqueeze(1))
     return torch.cat((sees_drafts.repeat(num_steps, 1), sees_own_chain), dim=1)

@@ -43,7 +43,7 @@ def verify_sampling(target_logits, draft_tokens, draft_probs, uniforms,
                     temperature: float, top_k: int = 0, top_p: float = 1.0):
     k = draft_tokens.shape[0]
     p = logits_to_probs(target_logits, temperature, top_k, top_p)
-    rows = torch.arange(k)
+    rows = torch.arange(k, device=target_logits.device)
     p_draft, q_draft = p[rows, draft_tokens], draft_probs[rows, draft_tokens]
     # accept d_j with probability min(1, p/q): u * q < p, written without a division
     accepted = accepted_prefix_length(uniforms[:k] * q_draft < p_draft)
