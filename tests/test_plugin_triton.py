@@ -63,6 +63,26 @@ def test_sampling_matches_reference(k, settings, vocab):
         assert outcome(verify_triton.fused_verify, *args) == outcome(fused_verify, *args), case
 
 
+@pytest.mark.parametrize("k", (0, 3))
+def test_rows_walked_in_tiles_match_reference(k, monkeypatch):
+    """Rows longer than a program's tile: every pass carries its running value across tiles
+    (a last tile only partly in the vocabulary included)."""
+    monkeypatch.setattr(verify_triton, "MAX_BLOCK_V", 8)
+    generator = torch.Generator().manual_seed(500 + k)
+    for case, settings in enumerate([(0.0, 0, 1.0)] * 2 + PLAIN_SAMPLING + FILTERED_SAMPLING):
+        logits, drafts, q, uniforms = random_round(generator, k, 37, drafts_are_argmax=case % 3 == 0)
+        args = (logits, drafts, q, uniforms, *settings)
+        assert outcome(verify_triton.fused_verify, *args) == outcome(fused_verify, *args), settings
+
+
+def test_greedy_across_tiles_takes_the_first_maximum(monkeypatch):
+    monkeypatch.setattr(verify_triton, "MAX_BLOCK_V", 8)
+    logits = torch.zeros(1, 30)
+    logits[0, [11, 19, 27]] = 5.0  # the maximum three times, in three tiles
+    no_drafts = torch.zeros(0, dtype=torch.int64)
+    assert outcome(verify_triton.fused_verify, logits, no_drafts, None, torch.rand(1), 0.0) == (0, 11)
+
+
 def test_greedy_without_draft_probs():
     logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(1))
     drafts = logits[:2].argmax(-1)
@@ -101,6 +121,27 @@ def test_branch_plan_matches_reference(k):
             want, have = getattr(expected, name), getattr(got, name)
             assert have.dtype == want.dtype and have.shape == want.shape, (name, fanout)
             assert torch.equal(have, want), (name, fanout)
+
+
+@pytest.mark.parametrize("k", (0, 3))
+def test_branch_plan_over_rows_walked_in_tiles_matches_reference(k, monkeypatch):
+    monkeypatch.setattr(branch_triton, "MAX_BLOCK_V", 8)
+    generator = torch.Generator().manual_seed(600 + k)
+    for fanout in ([3] * (k + 1), list(range(k + 1)), [0] * k + [5]):
+        scores = torch.randn(k + 1, 29, generator=generator)
+        drafts = scores[:k].argmax(-1)
+        fanout = torch.tensor(fanout)
+        expected, got = plan_branches(scores, drafts, fanout, 13), branch_triton.plan_branches(scores, drafts, fanout, 13)
+        for name in ("depth", "token", "rank"):
+            assert torch.equal(getattr(got, name), getattr(expected, name)), (name, fanout)
+
+
+def test_branch_keys_with_tied_scores_come_in_index_order(monkeypatch):
+    monkeypatch.setattr(branch_triton, "MAX_BLOCK_V", 8)
+    scores = torch.zeros(2, 30)
+    scores[0, [25, 3, 17, 9]] = 2.0  # four tied best tokens in three tiles, 9 the next draft
+    _, token, rank = branch_triton.candidate_keys(scores, torch.tensor([9]), torch.tensor([4, 0]))
+    assert token.tolist() == [3, 17, 25, 0] and rank.tolist() == [0, 1, 2, 3]
 
 
 def test_branch_keys_skip_the_draft_token():
@@ -145,12 +186,14 @@ COMPILE_SCRIPT = textwrap.dedent("""
         (fv.row_outcome_kernel, sig(logits_ptr="*fp16", logits_row_stride="i32", draft_tokens_ptr="*i64",
             draft_probs_ptr="*fp32", draft_probs_row_stride="i32", uniforms_ptr="*fp32",
             temperature_ptr="*fp32", top_k_ptr="*i64", top_p_ptr="*fp32", row_accepted_ptr="*i32",
-            row_bonus_ptr="*i64", num_drafts="i32", vocab_size="i32", BLOCK_V="constexpr"), {"BLOCK_V": 64}),
+            row_bonus_ptr="*i64", num_drafts="i32", vocab_size="i32", BLOCK_V="constexpr"),
+            {"BLOCK_V": fv.MAX_BLOCK_V}),  # the tile any large vocabulary launches
         (fv.round_outcome_kernel, sig(row_accepted_ptr="*i32", row_bonus_ptr="*i64", accepted_ptr="*i64",
             bonus_ptr="*i64", num_drafts="i32", BLOCK_K="constexpr"), {"BLOCK_K": 8}),
         (bd.candidate_keys_kernel, sig(scores_ptr="*fp32", scores_row_stride="i32", draft_tokens_ptr="*i64",
             fanout_ptr="*i64", depth_ptr="*i64", token_ptr="*i64", rank_ptr="*i64", num_drafts="i32",
-            vocab_size="i32", BLOCK_V="constexpr", BLOCK_ROWS="constexpr"), {"BLOCK_V": 64, "BLOCK_ROWS": 8}),
+            vocab_size="i32", BLOCK_V="constexpr", BLOCK_ROWS="constexpr"),
+            {"BLOCK_V": bd.MAX_BLOCK_V, "BLOCK_ROWS": 8}),
         (bd.tree_layout_kernel, sig(depth_ptr="*i64", positions_ptr="*i64", mask_ptr="*i1",
             context_length_ptr="*i64", num_drafts="i32", num_branches="i32", BLOCK_COLS="constexpr"),
             {"BLOCK_COLS": 128}),

@@ -1,8 +1,10 @@
 """BranchDraft and the KV gather as OpenAI Triton kernels (behind the TensorRT plugin).
 
-- `candidate_keys_kernel`: one program per depth j; it masks d_{j+1}, then takes the
-  row's best F_j tokens by repeated argmax (F_j is small, a runtime loop bound) and writes
-  them at offset F_0 + .. + F_{j-1}, so the keys come out ordered by depth, then rank.
+- `candidate_keys_kernel`: one program per depth j; it takes the row's best F_j tokens
+  other than d_{j+1}, each the best after the one before (score descending, then index:
+  F_j is small, a runtime loop bound), walking the row in tiles of at most `MAX_BLOCK_V`
+  (any vocabulary compiles alike), and writes them at offset F_0 + .. + F_{j-1}, so the
+  keys come out ordered by depth, then rank.
 - `tree_layout_kernel`: one program per row `s*B + b` of the tree mask; it also writes
   position `[s, b]`.
 - `gather_kv_kernel`: one program per (leading index, head-dim block); it loads all the
@@ -22,6 +24,27 @@ import triton.language as tl
 from saguaro.plugins.branch_draft.reference import BranchPlan
 from saguaro.plugins.branch_draft.signature import SIGNATURE, extent_values, output_shapes
 
+MAX_BLOCK_V = 4096  # scores a program holds at once
+
+
+@triton.jit
+def _next_best(row_ptr, vocab_size, draft, previous_score, previous_index, BLOCK_V: tl.constexpr):
+    """The best token after `(previous_score, previous_index)` in the order score descending,
+    then index ascending, the draft's own token left out: `(score, index)`."""
+    best_score = tl.full((), float("-inf"), tl.float32)
+    best_index = tl.full((), 2147483647, tl.int32)
+    for start in range(0, vocab_size, BLOCK_V):
+        offsets = start + tl.arange(0, BLOCK_V)
+        scores = tl.load(row_ptr + offsets, mask=offsets < vocab_size, other=float("-inf")).to(tl.float32)
+        after = (scores < previous_score) | ((scores == previous_score) & (offsets > previous_index))
+        candidate = (offsets < vocab_size) & (offsets != draft) & after
+        tile_best = tl.max(tl.where(candidate, scores, float("-inf")), axis=0)
+        tile_index = tl.min(tl.where(candidate & (scores == tile_best), offsets, 2147483647), axis=0)
+        better = (tile_best > best_score) | ((tile_best == best_score) & (tile_index < best_index))
+        best_score = tl.where(better, tile_best, best_score)
+        best_index = tl.where(better, tile_index, best_index)
+    return best_score, best_index
+
 
 @triton.jit
 def candidate_keys_kernel(scores_ptr, scores_row_stride, draft_tokens_ptr, fanout_ptr,
@@ -32,18 +55,15 @@ def candidate_keys_kernel(scores_ptr, scores_row_stride, draft_tokens_ptr, fanou
     fanouts = tl.load(fanout_ptr + rows, mask=rows <= num_drafts, other=0)
     first = tl.sum(tl.where(rows < depth, fanouts, 0), axis=0)
     width = tl.load(fanout_ptr + depth)
-    offsets = tl.arange(0, BLOCK_V)
-    scores = tl.load(scores_ptr + depth * scores_row_stride + offsets, mask=offsets < vocab_size,
-                     other=float("-inf")).to(tl.float32)
     draft = tl.load(draft_tokens_ptr + depth, mask=depth < num_drafts, other=-1)
-    scores = tl.where(offsets == draft, float("-inf"), scores)
+    score = tl.full((), float("inf"), tl.float32)
+    token = tl.full((), -1, tl.int32)
     slot = first
     for _ in range(0, width):
-        best = tl.argmax(scores, axis=0)
+        score, token = _next_best(scores_ptr + depth * scores_row_stride, vocab_size, draft, score, token, BLOCK_V)
         tl.store(depth_ptr + slot, depth.to(tl.int64))
-        tl.store(token_ptr + slot, best.to(tl.int64))
+        tl.store(token_ptr + slot, token.to(tl.int64))
         tl.store(rank_ptr + slot, slot - first)
-        scores = tl.where(offsets == best, float("-inf"), scores)
         slot += 1
 
 
@@ -86,7 +106,7 @@ def launch_candidate_keys(scores: torch.Tensor, draft_tokens: torch.Tensor, fano
         raise ValueError("candidate_keys needs score rows with unit stride along the vocabulary")
     candidate_keys_kernel[(rows,)](
         scores, scores.stride(0), draft_tokens, fanout, depth, token, rank, rows - 1, vocab_size,
-        BLOCK_V=triton.next_power_of_2(vocab_size), BLOCK_ROWS=triton.next_power_of_2(rows))
+        BLOCK_V=min(triton.next_power_of_2(vocab_size), MAX_BLOCK_V), BLOCK_ROWS=triton.next_power_of_2(rows))
 
 
 def launch_tree_layout(depth: torch.Tensor, context_length: torch.Tensor, num_drafts: int,

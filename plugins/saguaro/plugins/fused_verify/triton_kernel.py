@@ -8,15 +8,20 @@ Two launches, neither syncing with the host, so the op can sit inside an engine:
 2. `round_outcome_kernel`, one program: accepted = the first row not accepted, and the
    bonus is that row's candidate.
 
-A program holds a whole vocabulary row (BLOCK_V = next power of two >= V) in registers;
-fine for the vocabularies this project builds (2K-32K), spills beyond. Sampling
-parameters are read from device memory, so greedy vs sampling and the top-k / top-p
-filters are runtime branches, not recompilations.
+A program walks its row in tiles of `BLOCK_V` tokens (at most `MAX_BLOCK_V`), so the
+kernel compiles in about a second for any vocabulary: one holding a whole row in
+registers took 172 s to compile for sm_90 at a 16K block and longer at SmolLM2's 49K.
+Sampling parameters are read from device memory, so greedy vs sampling and the top-k /
+top-p filters are runtime branches, not recompilations.
 
-Top-k and top-p use `tl.sort` (values only) and turn into thresholds: keep x >= the k-th
-largest, and keep p >= the smallest probability inside the nucleus. This equals the
-reference except when tokens tie exactly at the cut, where the reference keeps the ones
-its sort happens to put first.
+Passes over the row (each a loop over its tiles): greedy takes one (the first maximum,
+as torch.argmax). Sampling takes the maximum, the softmax's sum, then the residual's
+mass and the inverse-CDF search; top-k and top-p add thresholds found by bisection over
+the values' bit patterns (32 and 30 counting passes): keep x >= the k-th largest, and
+keep p >= the smallest probability inside the nucleus (the largest set of top tokens
+whose mass before each one is below top_p). This equals the reference except when
+tokens tie exactly at the cut, where the reference keeps the ones its sort happens to
+put first.
 """
 from __future__ import annotations
 
@@ -27,34 +32,89 @@ import triton.language as tl
 from saguaro.plugins.probs import GREEDY_TEMPERATURE
 
 GREEDY_BELOW = tl.constexpr(GREEDY_TEMPERATURE)  # below it: argmax, never a division by T
+MAX_BLOCK_V = 4096  # tokens a program holds at once: 16 float32 registers a thread at 8 warps
+ONE_KEY = tl.constexpr(0x3F800000)  # the order key (the bits) of 1.0: no probability lies above it
 
 
 @triton.jit
-def _kth_largest(x, k, offsets):
-    """The k-th largest value of a row (1-based k)."""
-    descending = tl.sort(x, descending=True)
-    return tl.max(tl.where(offsets == k - 1, descending, float("-inf")), axis=0)
+def _order_key(x):
+    """float32 -> int32 in the same order (x < y iff key(x) < key(y)); -0.0 sits just below 0.0."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
 @triton.jit
-def _nucleus(probs, top_p, offsets, in_vocab):
-    """Zero the tokens outside the smallest prefix whose mass reaches top_p; renormalise."""
-    descending = tl.sort(tl.where(in_vocab, probs, -1.0), descending=True)
-    descending = tl.where(descending < 0, 0.0, descending)
-    mass_before = tl.cumsum(descending, axis=0) - descending
-    cutoff = tl.min(tl.where(mass_before < top_p, descending, float("inf")), axis=0)
-    kept = tl.where(probs >= cutoff, probs, 0.0)
-    return kept / tl.sum(kept, axis=0)
+def _scaled(row_ptr, start, vocab_size, temperature, BLOCK_V: tl.constexpr):
+    """One tile of logits / temperature (-inf past the vocabulary), and where it lies."""
+    offsets = start + tl.arange(0, BLOCK_V)
+    in_vocab = offsets < vocab_size
+    logits = tl.load(row_ptr + offsets, mask=in_vocab, other=float("-inf")).to(tl.float32)
+    return logits / temperature, offsets, in_vocab
 
 
 @triton.jit
-def _sample(row, uniform, offsets, in_vocab, vocab_size):
-    """Inverse CDF: the first index whose cumulative mass exceeds uniform * total."""
-    row = tl.where(in_vocab, row, 0.0)
-    cdf = tl.cumsum(row, axis=0)
-    total = tl.max(tl.where(in_vocab, cdf, 0.0), axis=0)
-    below = (cdf <= uniform * total) & in_vocab
-    return tl.minimum(tl.sum(below.to(tl.int64), axis=0), vocab_size - 1)
+def _argmax(row_ptr, vocab_size, BLOCK_V: tl.constexpr):
+    """The first index of the row's maximum."""
+    best_value = tl.full((), float("-inf"), tl.float32)
+    best_index = tl.zeros((), dtype=tl.int64)
+    for start in range(0, vocab_size, BLOCK_V):
+        values, offsets, in_vocab = _scaled(row_ptr, start, vocab_size, 1.0, BLOCK_V)
+        tile_best = tl.max(values, axis=0)
+        tile_index = tl.argmax(values, axis=0).to(tl.int64) + start
+        best_index = tl.where(tile_best > best_value, tile_index, best_index)
+        best_value = tl.maximum(tile_best, best_value)
+    return best_index
+
+
+@triton.jit
+def _kth_largest_key(row_ptr, vocab_size, temperature, top_k, BLOCK_V: tl.constexpr):
+    """The order key of the top_k-th largest scaled logit: the largest key t with at least
+    top_k values at or above it, by bisection over the 2^32 keys."""
+    low = tl.full((), -2147483648, tl.int64)
+    high = tl.full((), 2147483647, tl.int64)
+    for _ in range(32):
+        middle = (low + high + 1) // 2
+        count = tl.zeros((), dtype=tl.int64)
+        for start in range(0, vocab_size, BLOCK_V):
+            scaled, offsets, in_vocab = _scaled(row_ptr, start, vocab_size, temperature, BLOCK_V)
+            count += tl.sum((in_vocab & (_order_key(scaled) >= middle)).to(tl.int64), axis=0)
+        enough = count >= top_k
+        low = tl.where(enough, middle, low)
+        high = tl.where(enough, high, middle - 1)
+    return low
+
+
+@triton.jit
+def _probs(scaled, in_vocab, top_k_key, maximum, total):
+    """The tile's softmax probabilities after top-k (top_k_key: the lowest key kept)."""
+    kept = in_vocab & (_order_key(scaled) >= top_k_key)
+    return tl.where(kept, tl.exp(scaled - maximum) / total, 0.0)
+
+
+@triton.jit
+def _nucleus_key(row_ptr, vocab_size, temperature, top_k_key, maximum, total, top_p, BLOCK_V: tl.constexpr):
+    """The order key of the smallest probability kept by top-p: the smallest key t whose
+    mass strictly above it is below top_p, by bisection over the keys of [0, 1]."""
+    low = tl.zeros((), dtype=tl.int64)
+    high = tl.full((), ONE_KEY, tl.int64)
+    for _ in range(30):
+        middle = (low + high) // 2
+        mass_above = tl.zeros((), dtype=tl.float32)
+        for start in range(0, vocab_size, BLOCK_V):
+            scaled, offsets, in_vocab = _scaled(row_ptr, start, vocab_size, temperature, BLOCK_V)
+            probs = _probs(scaled, in_vocab, top_k_key, maximum, total)
+            mass_above += tl.sum(tl.where(_order_key(probs) > middle, probs, 0.0), axis=0)
+        below = mass_above < top_p
+        high = tl.where(below, middle, high)
+        low = tl.where(below, low, middle + 1)
+    return high
+
+
+@triton.jit
+def _filtered(scaled, in_vocab, top_k_key, maximum, total, nucleus_key, kept_mass):
+    """The tile's probabilities after top-k and top-p, renormalised."""
+    probs = _probs(scaled, in_vocab, top_k_key, maximum, total)
+    return tl.where(_order_key(probs) >= nucleus_key, probs / kept_mass, 0.0)
 
 
 @triton.jit
@@ -63,40 +123,72 @@ def row_outcome_kernel(logits_ptr, logits_row_stride, draft_tokens_ptr, draft_pr
                        row_accepted_ptr, row_bonus_ptr, num_drafts, vocab_size,
                        BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
-    offsets = tl.arange(0, BLOCK_V)
-    in_vocab = offsets < vocab_size
+    row_ptr = logits_ptr + row * logits_row_stride
     has_draft = row < num_drafts
-    logits = tl.load(logits_ptr + row * logits_row_stride + offsets, mask=in_vocab,
-                     other=float("-inf")).to(tl.float32)
     draft = tl.load(draft_tokens_ptr + row, mask=has_draft, other=-1)
     temperature = tl.load(temperature_ptr).to(tl.float32)
     if temperature < GREEDY_BELOW:
-        choice = tl.argmax(logits, axis=0).to(tl.int64)
+        choice = _argmax(row_ptr, vocab_size, BLOCK_V)
         accepted = choice == draft
         bonus = choice
     else:
-        scaled = logits / temperature
+        # the softmax's maximum and, after top-k, its sum
+        maximum = tl.full((), float("-inf"), tl.float32)
+        for start in range(0, vocab_size, BLOCK_V):
+            scaled, offsets, in_vocab = _scaled(row_ptr, start, vocab_size, temperature, BLOCK_V)
+            maximum = tl.maximum(maximum, tl.max(scaled, axis=0))
         top_k = tl.load(top_k_ptr)
+        top_k_key = tl.full((), -2147483648, tl.int64)
         if (top_k > 0) & (top_k < vocab_size):
-            kth = _kth_largest(scaled, top_k, offsets)
-            scaled = tl.where(scaled < kth, float("-inf"), scaled)
-        weights = tl.exp(scaled - tl.max(scaled, axis=0))
-        probs = weights / tl.sum(weights, axis=0)
+            top_k_key = _kth_largest_key(row_ptr, vocab_size, temperature, top_k, BLOCK_V)
+        total = tl.zeros((), dtype=tl.float32)
+        for start in range(0, vocab_size, BLOCK_V):
+            scaled, offsets, in_vocab = _scaled(row_ptr, start, vocab_size, temperature, BLOCK_V)
+            kept = in_vocab & (_order_key(scaled) >= top_k_key)
+            total += tl.sum(tl.where(kept, tl.exp(scaled - maximum), 0.0), axis=0)
         top_p = tl.load(top_p_ptr).to(tl.float32)
+        nucleus_key = tl.zeros((), dtype=tl.int64)
+        kept_mass = tl.full((), 1.0, tl.float32)
         if top_p < 1.0:
-            probs = _nucleus(probs, top_p, offsets, in_vocab)
+            nucleus_key = _nucleus_key(row_ptr, vocab_size, temperature, top_k_key, maximum, total, top_p,
+                                       BLOCK_V)
+            kept_mass = tl.zeros((), dtype=tl.float32)
+            for start in range(0, vocab_size, BLOCK_V):
+                scaled, offsets, in_vocab = _scaled(row_ptr, start, vocab_size, temperature, BLOCK_V)
+                probs = _probs(scaled, in_vocab, top_k_key, maximum, total)
+                kept_mass += tl.sum(tl.where(_order_key(probs) >= nucleus_key, probs, 0.0), axis=0)
         # row K has no draft: q is the zero row, so its residual is p itself
+        q_ptr = draft_probs_ptr + row * draft_probs_row_stride
         q_length = tl.where(has_draft, vocab_size, 0)
-        q = tl.load(draft_probs_ptr + row * draft_probs_row_stride + offsets,
-                    mask=offsets < q_length, other=0.0).to(tl.float32)
-        p_draft = tl.sum(tl.where(offsets == draft, probs, 0.0), axis=0)
-        q_draft = tl.sum(tl.where(offsets == draft, q, 0.0), axis=0)
+        p_draft = tl.zeros((), dtype=tl.float32)
+        q_draft = tl.zeros((), dtype=tl.float32)
+        p_mass = tl.zeros((), dtype=tl.float32)
+        residual_mass = tl.zeros((), dtype=tl.float32)
+        for start in range(0, vocab_size, BLOCK_V):
+            scaled, offsets, in_vocab = _scaled(row_ptr, start, vocab_size, temperature, BLOCK_V)
+            probs = _filtered(scaled, in_vocab, top_k_key, maximum, total, nucleus_key, kept_mass)
+            q = tl.load(q_ptr + offsets, mask=offsets < q_length, other=0.0).to(tl.float32)
+            p_draft += tl.sum(tl.where(offsets == draft, probs, 0.0), axis=0)
+            q_draft += tl.sum(tl.where(offsets == draft, q, 0.0), axis=0)
+            p_mass += tl.sum(probs, axis=0)
+            residual_mass += tl.sum(tl.maximum(probs - q, 0.0), axis=0)
         u_accept = tl.load(uniforms_ptr + row, mask=has_draft, other=1.0)
         accepted = u_accept * q_draft < p_draft
-        residual = tl.maximum(probs - q, 0.0)
-        empty = tl.sum(tl.where(in_vocab, residual, 0.0), axis=0) <= 0
-        residual = tl.where(empty, probs, residual)
-        bonus = _sample(residual, tl.load(uniforms_ptr + num_drafts), offsets, in_vocab, vocab_size)
+        # inverse CDF over the residual max(p - q, 0), or p where that has no mass: the
+        # bonus is the count of tokens whose cumulative mass stays at or below u * total
+        empty = residual_mass <= 0
+        threshold = tl.load(uniforms_ptr + num_drafts) * tl.where(empty, p_mass, residual_mass)
+        cumulative = tl.zeros((), dtype=tl.float32)
+        below = tl.zeros((), dtype=tl.int64)
+        for start in range(0, vocab_size, BLOCK_V):
+            scaled, offsets, in_vocab = _scaled(row_ptr, start, vocab_size, temperature, BLOCK_V)
+            probs = _filtered(scaled, in_vocab, top_k_key, maximum, total, nucleus_key, kept_mass)
+            q = tl.load(q_ptr + offsets, mask=offsets < q_length, other=0.0).to(tl.float32)
+            mass = tl.where(empty, probs, tl.maximum(probs - q, 0.0))
+            cdf = cumulative + tl.cumsum(mass, axis=0)
+            below += tl.sum(((cdf <= threshold) & in_vocab).to(tl.int64), axis=0)
+            cumulative += tl.sum(mass, axis=0)
+        bonus = tl.minimum(below, vocab_size - 1)
     tl.store(row_accepted_ptr + row, (accepted & has_draft).to(tl.int32))
     tl.store(row_bonus_ptr + row, bonus.to(tl.int64))
 
@@ -129,7 +221,8 @@ def launch(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs:
     row_outcome_kernel[(rows,)](
         target_logits, target_logits.stride(0), draft_tokens, draft_probs,
         draft_probs.stride(0) if num_drafts else 0, uniforms, temperature, top_k, top_p,
-        row_accepted, row_bonus, num_drafts, vocab_size, BLOCK_V=triton.next_power_of_2(vocab_size))
+        row_accepted, row_bonus, num_drafts, vocab_size,
+        BLOCK_V=min(triton.next_power_of_2(vocab_size), MAX_BLOCK_V))
     round_outcome_kernel[(1,)](row_accepted, row_bonus, accepted, bonus, num_drafts,
                                BLOCK_K=triton.next_power_of_2(rows))
 
