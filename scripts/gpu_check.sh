@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Check the GPU path on a machine with an NVIDIA GPU and no package index: install the pinned
 # requirements from a local wheel folder, build fp32 and fp16 TensorRT engines of the tiny pair,
-# run the GPU tests, then the engine latency suite and bench.py on those engines; one log and
+# run the GPU tests, time the plugins' kernels against their reference ops at SmolLM2's vocabulary
+# (scripts/bench_kernels.py), then the engine latency suite and bench.py on those engines; one log and
 # one JSON of figures in the output folder. docs/gpu.md says how to fill the wheel folder.
 #
 #   bash scripts/gpu_check.sh --wheels DIR [--out DIR] [--tensorrt-llm] [--dry-run] [-- PYTEST_ARGS]
@@ -89,7 +90,7 @@ for file in "${REQUIREMENT_FILES[@]}"; do
   echo "gpu_check: $WHEELS satisfies $file"
 done
 
-PLAN=("tiny model pair" "engines fp32" "engines fp16" "GPU tests" "engine latency suite fp32"
+PLAN=("tiny model pair" "engines fp32" "engines fp16" "GPU tests" "kernel timings" "engine latency suite fp32"
       "engine latency suite fp16" "bench.py fp32" "bench.py fp16")
 [ "$WITH_TENSORRT_LLM" = 1 ] && PLAN+=("TensorRT-LLM target")
 if [ "$DRY_RUN" = 1 ]; then
@@ -140,6 +141,7 @@ for precision in fp32 fp16; do
 done
 step "GPU tests" "$PY" -m pytest -q -p no:cacheprovider -p gpu_summary -m gpu --junitxml "$OUT/gpu_tests.xml" \
   tests/test_gpu.py "${PYTEST_ARGS[@]}"
+step "kernel timings" "$PY" scripts/bench_kernels.py --json "$OUT/kernels.json"
 for precision in fp32 fp16; do
   step "engine latency suite $precision" "$PY" scripts/bench.py --engines "$OUT/engines/tiny-$precision" \
     --engines-only -k 4 --json "$OUT/suite-$precision.json"

@@ -94,7 +94,8 @@ def report(out: Path, status: str) -> dict:
             "tensorrt_llm_tests": checks(out / "tensorrt_llm_tests.xml"),
             "engines": engines(out),
             "latency_suite": {p: read_json(out / f"suite-{p}.json") for p in PRECISIONS},
-            "bench": {p: read_json(out / f"bench-{p}.json") for p in PRECISIONS}}
+            "bench": {p: read_json(out / f"bench-{p}.json") for p in PRECISIONS},
+            "kernels": read_json(out / "kernels.json")}
 
 
 def main(argv=None) -> int:
