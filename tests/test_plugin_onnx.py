@@ -81,6 +81,22 @@ def test_sampling_matches_reference(verify_session, k):
     assert len(outcomes) > 3  # the cases exercise varied outcomes, not one constant answer
 
 
+@pytest.mark.parametrize("widths,vocab", [((4, 16), 37), (verify_onnx.NUCLEUS_WIDTHS, 600)])
+def test_top_p_from_the_head_of_each_row_matches_reference(monkeypatch, widths, vocab):
+    """Rows sharp enough for the first width, for the next, and flat enough for a full sort."""
+    monkeypatch.setattr(verify_onnx, "NUCLEUS_WIDTHS", widths)
+    sess = session(verify_onnx.standalone_model(17))
+    generator = torch.Generator().manual_seed(vocab)
+    outcomes = set()
+    for case, (sharpness, top_p) in enumerate([(8.0, 0.5), (8.0, 0.95), (3.0, 0.9), (0.05, 0.9), (1.0, 0.99)] * 4):
+        logits, drafts, q, uniforms = random_round(generator, 3, vocab, drafts_are_argmax=case % 2 == 0)
+        logits = logits / 3 * sharpness
+        expected = reference_outcome(logits, drafts, q, uniforms, 1.0, 0, top_p)
+        assert run_verify(sess, logits, drafts, q, uniforms, 1.0, 0, top_p) == expected, (case, sharpness, top_p)
+        outcomes.add(expected)
+    assert len(outcomes) > 3
+
+
 def test_greedy_explicit_outcomes(verify_session):
     logits = torch.randn(4, 17, generator=torch.Generator().manual_seed(7))
     argmax = logits.argmax(-1)

@@ -3,6 +3,7 @@ import torch
 
 from saguaro.plugins.branch_draft.reference import candidate_keys, commit_indices, gather_kv, plan_branches, tree_mask
 from saguaro.plugins.fused_verify.reference import fused_verify
+from saguaro.plugins import probs as probs_module
 from saguaro.plugins.probs import logits_to_probs, saguaro_rescale, sample_from
 
 GRID = 100  # uniforms on a midpoint grid: exact frequencies up to 1/GRID
@@ -35,6 +36,32 @@ def test_top_k_and_top_p_filters():
     assert (nucleus > 0).tolist() == [True, True, False, False, False]
     assert torch.allclose(nucleus.sum(), torch.tensor(1.0))
     assert torch.allclose(logits_to_probs(logits, 2.0), torch.softmax(logits / 2, -1))
+
+
+def full_sort_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus by a sort of the whole row: what the head-only sort must equal."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(mass_before >= top_p, 0.0))
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def test_top_p_sorts_only_the_head_it_needs_and_equals_a_full_sort(monkeypatch):
+    monkeypatch.setattr(probs_module, "NUCLEUS_WIDTHS", (4, 16))
+    widths = []
+    topk = torch.topk
+    monkeypatch.setattr(torch, "topk", lambda x, k, **kw: widths.append(k) or topk(x, k, **kw))
+    generator = torch.Generator().manual_seed(3)
+    noise = torch.randn(3, 37, generator=generator) * 0.1
+    ten_likely = noise + torch.cat((torch.full((3, 10), 6.0), torch.zeros(3, 27)), dim=1)
+    for logits, top_p, widest in ((noise * 100, 0.5, 4), (ten_likely, 0.95, 16), (noise, 0.9, 37),
+                                  (torch.randn(3, 37, generator=generator), 0.8, None)):
+        widths.clear()
+        filtered = logits_to_probs(logits, 1.0, 0, top_p)
+        assert torch.equal(filtered, full_sort_nucleus(torch.softmax(logits, -1), top_p)), (top_p, widths)
+        assert widths[0] == 4 and widths == sorted(widths)
+        if widest:
+            assert widths[-1] == widest, (top_p, widths)
 
 
 def test_inverse_cdf_sampling_reproduces_the_distribution():

@@ -13,6 +13,11 @@ import torch
 # finite for any logit below 3e33, and the distribution is as sharp as float32 can hold.
 # A power of two, so a float64 and a float32 comparison with it agree.
 GREEDY_TEMPERATURE = 2.0 ** -17  # 7.63e-06
+# Top-p sorts the 256 most likely tokens, then 4096, then all, until the sorted ones hold
+# top_p of the mass: a sort of SmolLM2's 49,152 took 3.5-5 ms a row on this project's CPU
+# against 0.1-0.2 ms for the first 256, which hold a 0.95 nucleus in 89% of its rows of
+# chat and prose at T = 0.7 (4096: all of them at 0.7, 94% at T = 1).
+NUCLEUS_WIDTHS = (256, 4096)
 
 
 def is_greedy(temperature: float) -> bool:
@@ -30,14 +35,27 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, to
         kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    return top_p_filter(probs, top_p) if top_p < 1.0 else probs
+
+
+def nucleus_widths(vocab_size: int) -> list[int]:
+    """How many of the most likely tokens top-p sorts, widest last (the whole vocabulary)."""
+    return [width for width in NUCLEUS_WIDTHS if width < vocab_size] + [vocab_size]
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest prefix of the tokens by probability whose mass reaches top_p (the
+    token crossing it included), renormalised. Only the head of each row is sorted: when
+    the first `width` tokens hold top_p of the mass, every token after them falls outside
+    the nucleus, and the cumulative sums of the head are those of the full sort."""
+    for width in nucleus_widths(probs.shape[-1]):
+        sorted_probs, order = torch.topk(probs, width, dim=-1)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        if bool((cumulative[..., -1] >= top_p).all()):
+            break
+    kept = sorted_probs.masked_fill(cumulative - sorted_probs >= top_p, 0.0)
+    probs = torch.zeros_like(probs).scatter(-1, order, kept)
+    return probs / probs.sum(-1, keepdim=True)
 
 
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,8 @@ def parse_args(argv=None):
     parser.add_argument("--prompts", type=int, default=4, help="how many of the built-in prompts")
     parser.add_argument("--chat", action="store_true", help="chat questions rendered with the model's template")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k sampling (with --temperature)")
     parser.add_argument("--saguaro", type=float, metavar="C", help="also run ssd with Saguaro sampling factor C")
     parser.add_argument("--repeats", type=int, default=20, help="forwards per engine-level timing")
     parser.add_argument("--assisted", action="store_true",
@@ -84,6 +86,10 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if (args.engines_only or args.placement or args.assisted) and args.engines is None:
         parser.error("--engines-only, --placement and --assisted need --engines DIR")
+    try:
+        SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    except ValueError as error:
+        parser.error(f"--temperature / --top-k / --top-p: {error}")
     return args
 
 
@@ -205,7 +211,7 @@ def run_modes(args) -> dict:
     figures = {"engine_costs": round_costs(args, pipeline, k, branches), "modes": {}}
 
     # every mode draws the same randomness (the load policy's row, choosing K, samples other tokens)
-    sampling = SamplingParams(temperature=args.temperature, seed=0)
+    sampling = bench_sampling(args)
     encode = pipeline.encode_chat if args.chat else pipeline.encode
     prompts = [encode(text) for text in (CHAT_PROMPTS if args.chat else PROMPTS)[: args.prompts]]
     print(f"{len(prompts)} prompts x {args.max_tokens} tokens, the modes interleaved prompt by prompt; "
@@ -227,6 +233,11 @@ def run_modes(args) -> dict:
     return figures
 
 
+def bench_sampling(args) -> SamplingParams:
+    """The sampling every mode runs with: seeded, so each mode draws the same randomness."""
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=0)
+
+
 # -- --placement ----------------------------------------------------------------------------
 
 def run_placements(args) -> dict:
@@ -236,7 +247,7 @@ def run_placements(args) -> dict:
     options = dict(max_tokens=args.max_tokens, eos_token_id=-1)
     modes = {"ssd": DecodeOptions(mode="ssd", num_draft_tokens=k, fanout=args.fanout, budget=args.budget, **options),
              "autoregressive": DecodeOptions(mode="autoregressive", **options)}
-    sampling = SamplingParams(temperature=args.temperature, seed=0)
+    sampling = bench_sampling(args)
     speeds: dict[str, dict[str, list[float]]] = {p.name: {mode: [] for mode in modes} for p in PLACEMENTS}
     for _ in range(args.rounds):
         for placement in PLACEMENTS:

@@ -18,7 +18,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from saguaro.plugins.fused_verify.signature import SIGNATURE
-from saguaro.plugins.probs import GREEDY_TEMPERATURE
+from saguaro.plugins.probs import GREEDY_TEMPERATURE, NUCLEUS_WIDTHS
 from saguaro.plugins.signature import value_infos
 
 DOMAIN = SIGNATURE.namespace
@@ -108,19 +108,33 @@ def top_k_filter(g: GraphBody, scaled: str, top_k: str, vocab: str) -> str:
 
 
 def top_p_filter(g: GraphBody, probs: str, top_p: str, vocab: str) -> str:
-    """Nucleus filter: keep the smallest prefix (by probability) whose mass reaches top_p."""
+    """Nucleus filter: keep the smallest prefix (by probability) whose mass reaches top_p,
+    sorting only the head of each row (`probs.top_p_filter`)."""
     active = g.op("Less", top_p, g.const(1.0))
     body = GraphBody(g.prefix + "topp_", g.opset)
-    sorted_probs, order = body.op("TopK", probs, vocab, outputs=2, axis=-1)
-    cumulative = body.op("CumSum", sorted_probs, body.const(-1, np.int64))
-    mass_before = body.op("Sub", cumulative, sorted_probs)
-    drop = body.op("GreaterOrEqual", mass_before, top_p)
-    kept = body.op("Where", drop, body.const(0.0), sorted_probs)
-    # `order` is a permutation, so scattering into `probs` overwrites every entry
-    unsorted = body.op("ScatterElements", probs, order, kept, axis=-1)
-    total = body.reduce("ReduceSum", unsorted, [-1], keepdims=1)
-    normalised = body.op("Div", unsorted, total)
-    return if_else(g, active, body, normalised, probs, TensorProto.FLOAT)
+    filtered = nucleus(body, probs, top_p, vocab, NUCLEUS_WIDTHS)
+    return if_else(g, active, body, filtered, probs, TensorProto.FLOAT)
+
+
+def nucleus(g: GraphBody, probs: str, top_p: str, vocab: str, widths: tuple[int, ...]) -> str:
+    """The nucleus from the first `widths[0]` tokens of every row (at most V) when they hold
+    top_p of the mass, else from the next width's, and so on; the last sorts the whole row."""
+    width = vocab if not widths else g.op("Min", vocab, g.const([widths[0]], np.int64))
+    sorted_probs, order = g.op("TopK", probs, width, outputs=2, axis=-1)
+    cumulative = g.op("CumSum", sorted_probs, g.const(-1, np.int64))
+    kept = g.op("Where", g.op("GreaterOrEqual", g.op("Sub", cumulative, sorted_probs), top_p),
+                g.const(0.0), sorted_probs)
+    head = g.op("ScatterElements", g.op("ConstantOfShape", g.op("Shape", probs)), order, kept, axis=-1)
+    filtered = g.op("Div", head, g.reduce("ReduceSum", head, [-1], keepdims=1))
+    if not widths:
+        return filtered
+    last = g.op("Slice", cumulative, g.const([-1], np.int64), g.const([np.iinfo(np.int64).max], np.int64),
+                g.const([-1], np.int64))
+    holds = g.reduce("ReduceMin", g.op("Cast", g.op("GreaterOrEqual", last, top_p), to=TensorProto.FLOAT),
+                     None, keepdims=0)
+    wider = GraphBody(f"{g.prefix}w{widths[0]}_", g.opset)
+    return if_else(g, g.op("Cast", g.op("Equal", holds, g.const(0.0)), to=TensorProto.BOOL), wider,
+                   nucleus(wider, probs, top_p, vocab, widths[1:]), filtered, TensorProto.FLOAT)
 
 
 def logits_to_probs(g: GraphBody, logits: str, temperature: str, top_k: str, top_p: str) -> str:
