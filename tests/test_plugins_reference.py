@@ -1,9 +1,9 @@
 """The reference ops: verification rule, sampling math and branch layout."""
 import torch
 
+from saguaro.plugins import probs as probs_module
 from saguaro.plugins.branch_draft.reference import candidate_keys, commit_indices, gather_kv, plan_branches, tree_mask
 from saguaro.plugins.fused_verify.reference import fused_verify
-from saguaro.plugins import probs as probs_module
 from saguaro.plugins.probs import logits_to_probs, saguaro_rescale, sample_from
 
 GRID = 100  # uniforms on a midpoint grid: exact frequencies up to 1/GRID
