@@ -217,3 +217,43 @@ def test_a_greedy_round_without_drafts_makes_no_torch_call_that_waits_for_the_gi
                 ids.append(outcome.bonus)
     finally:
         pipeline.close()
+
+
+def test_a_round_mixing_drafts_and_argmax_steps_costs_no_torch_call_per_argmax_step(tiny_engines):
+    """Under the load policy a batch mixes requests that draft (a probe, say) with requests
+    that take an autoregressive step: only the drafting rounds go through the FusedVerify
+    graph, the others still read their argmax from the graph's arrays, so the torch calls
+    that release the GIL do not grow with them; every outcome is the one verified alone."""
+    import torch
+
+    from saguaro.runtime.core.contracts import Draft
+    from saguaro.runtime.decoding.speculator import empty_draft
+    from saguaro.runtime.decoding.verifier import Verifier
+
+    pipeline = Pipeline.load(engines=tiny_engines)
+    target = pipeline.target
+    nothing = empty_draft(target.info.vocab_size, SamplingParams())
+
+    def verified(histories, batched: bool):
+        verifiers = [Verifier(target, SamplingParams(), 0) for _ in histories]
+        target.forward_rows([verifier.prefill(ids) for verifier, ids in zip(verifiers, histories)])
+        drafted = Draft(torch.tensor([4, 4]), None, torch.zeros(2, target.info.vocab_size))
+        rounds = [verifiers[0].round(histories[0], drafted, 2)] + [
+            verifier.round(ids, nothing, 0) for verifier, ids in zip(verifiers[1:], histories[1:])]
+        with TorchCalls() as calls:
+            outcomes = target.verify_batch(rounds) if batched else [target.verify_batch([one])[0] for one in rounds]
+        for verifier in verifiers:
+            verifier.cache.release()
+        return [(outcome.accepted, outcome.bonus) for outcome in outcomes], calls.names
+
+    try:
+        few = [[5, 9, 2, 7], [3, 4]]
+        many = few + [[8, 1, 6], [2, 2, 9, 9], [7, 3]]
+        few_outcomes, few_calls = verified(few, batched=True)
+        many_outcomes, many_calls = verified(many, batched=True)
+        def releasing(names):
+            return sorted(name for name in names if name not in KEEPS_THE_GIL)
+        assert releasing(few_calls) and releasing(many_calls) == releasing(few_calls)  # three more argmax steps
+        assert many_outcomes == verified(many, batched=False)[0] and many_outcomes[:2] == few_outcomes
+    finally:
+        pipeline.close()

@@ -188,8 +188,13 @@ class OnnxRuntimeEngine(OneSequenceForms):
 
     def _rows(self, packed: PackedBatch, scores: np.ndarray, hidden: np.ndarray | None) -> list[Rows]:
         logits = self.spread(torch.from_numpy(scores))
-        return [Rows(logits[row, :scored], None if hidden is None else torch.from_numpy(hidden[row, :count]))
-                for row, count, scored in zip(packed.rows, packed.counts, packed.scored)]
+        return [self._row(packed, index, logits, hidden) for index in range(len(packed.rows))]
+
+    @staticmethod
+    def _row(packed: PackedBatch, index: int, logits: torch.Tensor, hidden: np.ndarray | None) -> Rows:
+        """The `index`-th sequence's scored rows of the batch's logits, and its features."""
+        row, count = packed.rows[index], packed.counts[index]
+        return Rows(logits[row, :packed.scored[index]], None if hidden is None else torch.from_numpy(hidden[row, :count]))
 
     def spread(self, scores: torch.Tensor) -> torch.Tensor:
         """Scores over the whole vocabulary: a graph that scores part of it gets `UNSCORED`
@@ -256,16 +261,23 @@ class OnnxRuntimeEngine(OneSequenceForms):
                 raise ValueError(f"verify takes K+1 = {k + 1} tokens ([last, d_1..d_K]) and uniforms, "
                                  f"got {len(item.step.tokens)} and {len(item.uniforms)}")
         packed, scores, hidden = self._forward([item.step for item in steps])
-        if self.scored_tokens is None and all(map(takes_the_argmax, steps)):
-            # every round one greedy autoregressive step: its token is the row's argmax (the
-            # first maximum, as the graph's greedy branch takes it) and its features the
-            # row's, read from the graph's arrays themselves. Each torch call releases the
-            # GIL and waits to take it back: in the server, beside the threads that send
-            # responses, the per-row tensors had cost the scheduler more than the forward.
-            return [VerifyResult(0, int(scores[row, 0].argmax()), hidden=None if hidden is None else hidden[row, :1])
-                    for row in packed.rows]
-        rows = self._rows(packed, scores, hidden)
-        return [self._fused_verify(logits, hidden, item) for (logits, hidden), item in zip(rows, steps)]
+        logits = None  # the scores as a tensor, made once a round needs the FusedVerify graph
+        results = []
+        for index, item in enumerate(steps):
+            row = packed.rows[index]
+            if self.scored_tokens is None and takes_the_argmax(item):
+                # one greedy autoregressive step: its token is the row's argmax (the first
+                # maximum, as the graph's greedy branch takes it) and its features the row's,
+                # read from the graph's arrays themselves. Each torch call releases the GIL
+                # and waits to take it back: in the server, beside the threads that send
+                # responses, the per-row tensors had cost the scheduler more than the forward.
+                results.append(VerifyResult(0, int(scores[row, 0].argmax()),
+                                            hidden=None if hidden is None else hidden[row, :1]))
+                continue
+            logits = self.spread(torch.from_numpy(scores)) if logits is None else logits
+            rows = self._row(packed, index, logits, hidden)
+            results.append(self._fused_verify(rows.logits, rows.hidden, item))
+        return results
 
     def _fused_verify(self, logits: torch.Tensor, hidden: torch.Tensor | None, item: VerifyStep) -> VerifyResult:
         k, sampling = len(item.draft_tokens), item.sampling
