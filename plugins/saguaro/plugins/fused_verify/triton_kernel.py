@@ -118,6 +118,87 @@ def _filtered(scaled, in_vocab, top_k_key, maximum, total, nucleus_key, kept_mas
 
 
 @triton.jit
+def _softmax_after_top_k(row_ptr, vocab_size, temperature, top_k_ptr, BLOCK_V: tl.constexpr):
+    """`(maximum, top_k_key, total)`: the scaled row's maximum, the lowest key top-k keeps
+    (every key when top-k is off) and the softmax's sum over the kept tokens."""
+    maximum = tl.full((), float("-inf"), tl.float32)
+    for start in range(0, vocab_size, BLOCK_V):
+        scaled, offsets, in_vocab = _scaled(row_ptr, start, vocab_size, temperature, BLOCK_V)
+        maximum = tl.maximum(maximum, tl.max(scaled, axis=0))
+    top_k = tl.load(top_k_ptr)
+    top_k_key = tl.full((), -2147483648, tl.int64)
+    if (top_k > 0) & (top_k < vocab_size):
+        top_k_key = _kth_largest_key(row_ptr, vocab_size, temperature, top_k, BLOCK_V)
+    total = tl.zeros((), dtype=tl.float32)
+    for start in range(0, vocab_size, BLOCK_V):
+        scaled, offsets, in_vocab = _scaled(row_ptr, start, vocab_size, temperature, BLOCK_V)
+        kept = in_vocab & (_order_key(scaled) >= top_k_key)
+        total += tl.sum(tl.where(kept, tl.exp(scaled - maximum), 0.0), axis=0)
+    return maximum, top_k_key, total
+
+
+@triton.jit
+def _top_p(row_ptr, vocab_size, temperature, top_k_key, maximum, total, top_p_ptr, BLOCK_V: tl.constexpr):
+    """`(nucleus_key, kept_mass)`: the lowest key top-p keeps and the mass it keeps (every
+    key and all of it when top-p is off)."""
+    top_p = tl.load(top_p_ptr).to(tl.float32)
+    nucleus_key = tl.zeros((), dtype=tl.int64)
+    kept_mass = tl.full((), 1.0, tl.float32)
+    if top_p < 1.0:
+        nucleus_key = _nucleus_key(row_ptr, vocab_size, temperature, top_k_key, maximum, total, top_p, BLOCK_V)
+        kept_mass = tl.zeros((), dtype=tl.float32)
+        for start in range(0, vocab_size, BLOCK_V):
+            scaled, offsets, in_vocab = _scaled(row_ptr, start, vocab_size, temperature, BLOCK_V)
+            probs = _probs(scaled, in_vocab, top_k_key, maximum, total)
+            kept_mass += tl.sum(tl.where(_order_key(probs) >= nucleus_key, probs, 0.0), axis=0)
+    return nucleus_key, kept_mass
+
+
+@triton.jit
+def _p_and_q(row_ptr, q_ptr, q_length, start, vocab_size, temperature, top_k_key, maximum, total,
+             nucleus_key, kept_mass, BLOCK_V: tl.constexpr):
+    """One tile of the target's filtered probabilities p and the draft's q (0 past `q_length`)."""
+    scaled, offsets, in_vocab = _scaled(row_ptr, start, vocab_size, temperature, BLOCK_V)
+    probs = _filtered(scaled, in_vocab, top_k_key, maximum, total, nucleus_key, kept_mass)
+    q = tl.load(q_ptr + offsets, mask=offsets < q_length, other=0.0).to(tl.float32)
+    return probs, q, offsets, in_vocab
+
+
+@triton.jit
+def _sampled_outcome(row_ptr, q_ptr, q_length, draft, u_accept, u_bonus, vocab_size, temperature,
+                     top_k_ptr, top_p_ptr, BLOCK_V: tl.constexpr):
+    """`(accepted, bonus)` of a sampled row: d_j accepted with probability min(1, p/q), and
+    the bonus drawn by inverse CDF from the residual max(p - q, 0) (p where that has no mass)."""
+    maximum, top_k_key, total = _softmax_after_top_k(row_ptr, vocab_size, temperature, top_k_ptr, BLOCK_V)
+    nucleus_key, kept_mass = _top_p(row_ptr, vocab_size, temperature, top_k_key, maximum, total, top_p_ptr,
+                                    BLOCK_V)
+    p_draft = tl.zeros((), dtype=tl.float32)
+    q_draft = tl.zeros((), dtype=tl.float32)
+    p_mass = tl.zeros((), dtype=tl.float32)
+    residual_mass = tl.zeros((), dtype=tl.float32)
+    for start in range(0, vocab_size, BLOCK_V):
+        probs, q, offsets, in_vocab = _p_and_q(row_ptr, q_ptr, q_length, start, vocab_size, temperature,
+                                               top_k_key, maximum, total, nucleus_key, kept_mass, BLOCK_V)
+        p_draft += tl.sum(tl.where(offsets == draft, probs, 0.0), axis=0)
+        q_draft += tl.sum(tl.where(offsets == draft, q, 0.0), axis=0)
+        p_mass += tl.sum(probs, axis=0)
+        residual_mass += tl.sum(tl.maximum(probs - q, 0.0), axis=0)
+    # the bonus: how many tokens' cumulative mass stays at or below u * total
+    empty = residual_mass <= 0
+    threshold = u_bonus * tl.where(empty, p_mass, residual_mass)
+    cumulative = tl.zeros((), dtype=tl.float32)
+    below = tl.zeros((), dtype=tl.int64)
+    for start in range(0, vocab_size, BLOCK_V):
+        probs, q, offsets, in_vocab = _p_and_q(row_ptr, q_ptr, q_length, start, vocab_size, temperature,
+                                               top_k_key, maximum, total, nucleus_key, kept_mass, BLOCK_V)
+        mass = tl.where(empty, probs, tl.maximum(probs - q, 0.0))
+        cdf = cumulative + tl.cumsum(mass, axis=0)
+        below += tl.sum(((cdf <= threshold) & in_vocab).to(tl.int64), axis=0)
+        cumulative += tl.sum(mass, axis=0)
+    return u_accept * q_draft < p_draft, tl.minimum(below, vocab_size - 1)
+
+
+@triton.jit
 def row_outcome_kernel(logits_ptr, logits_row_stride, draft_tokens_ptr, draft_probs_ptr,
                        draft_probs_row_stride, uniforms_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
                        row_accepted_ptr, row_bonus_ptr, num_drafts, vocab_size,
@@ -132,63 +213,11 @@ def row_outcome_kernel(logits_ptr, logits_row_stride, draft_tokens_ptr, draft_pr
         accepted = choice == draft
         bonus = choice
     else:
-        # the softmax's maximum and, after top-k, its sum
-        maximum = tl.full((), float("-inf"), tl.float32)
-        for start in range(0, vocab_size, BLOCK_V):
-            scaled, offsets, in_vocab = _scaled(row_ptr, start, vocab_size, temperature, BLOCK_V)
-            maximum = tl.maximum(maximum, tl.max(scaled, axis=0))
-        top_k = tl.load(top_k_ptr)
-        top_k_key = tl.full((), -2147483648, tl.int64)
-        if (top_k > 0) & (top_k < vocab_size):
-            top_k_key = _kth_largest_key(row_ptr, vocab_size, temperature, top_k, BLOCK_V)
-        total = tl.zeros((), dtype=tl.float32)
-        for start in range(0, vocab_size, BLOCK_V):
-            scaled, offsets, in_vocab = _scaled(row_ptr, start, vocab_size, temperature, BLOCK_V)
-            kept = in_vocab & (_order_key(scaled) >= top_k_key)
-            total += tl.sum(tl.where(kept, tl.exp(scaled - maximum), 0.0), axis=0)
-        top_p = tl.load(top_p_ptr).to(tl.float32)
-        nucleus_key = tl.zeros((), dtype=tl.int64)
-        kept_mass = tl.full((), 1.0, tl.float32)
-        if top_p < 1.0:
-            nucleus_key = _nucleus_key(row_ptr, vocab_size, temperature, top_k_key, maximum, total, top_p,
-                                       BLOCK_V)
-            kept_mass = tl.zeros((), dtype=tl.float32)
-            for start in range(0, vocab_size, BLOCK_V):
-                scaled, offsets, in_vocab = _scaled(row_ptr, start, vocab_size, temperature, BLOCK_V)
-                probs = _probs(scaled, in_vocab, top_k_key, maximum, total)
-                kept_mass += tl.sum(tl.where(_order_key(probs) >= nucleus_key, probs, 0.0), axis=0)
         # row K has no draft: q is the zero row, so its residual is p itself
-        q_ptr = draft_probs_ptr + row * draft_probs_row_stride
-        q_length = tl.where(has_draft, vocab_size, 0)
-        p_draft = tl.zeros((), dtype=tl.float32)
-        q_draft = tl.zeros((), dtype=tl.float32)
-        p_mass = tl.zeros((), dtype=tl.float32)
-        residual_mass = tl.zeros((), dtype=tl.float32)
-        for start in range(0, vocab_size, BLOCK_V):
-            scaled, offsets, in_vocab = _scaled(row_ptr, start, vocab_size, temperature, BLOCK_V)
-            probs = _filtered(scaled, in_vocab, top_k_key, maximum, total, nucleus_key, kept_mass)
-            q = tl.load(q_ptr + offsets, mask=offsets < q_length, other=0.0).to(tl.float32)
-            p_draft += tl.sum(tl.where(offsets == draft, probs, 0.0), axis=0)
-            q_draft += tl.sum(tl.where(offsets == draft, q, 0.0), axis=0)
-            p_mass += tl.sum(probs, axis=0)
-            residual_mass += tl.sum(tl.maximum(probs - q, 0.0), axis=0)
-        u_accept = tl.load(uniforms_ptr + row, mask=has_draft, other=1.0)
-        accepted = u_accept * q_draft < p_draft
-        # inverse CDF over the residual max(p - q, 0), or p where that has no mass: the
-        # bonus is the count of tokens whose cumulative mass stays at or below u * total
-        empty = residual_mass <= 0
-        threshold = tl.load(uniforms_ptr + num_drafts) * tl.where(empty, p_mass, residual_mass)
-        cumulative = tl.zeros((), dtype=tl.float32)
-        below = tl.zeros((), dtype=tl.int64)
-        for start in range(0, vocab_size, BLOCK_V):
-            scaled, offsets, in_vocab = _scaled(row_ptr, start, vocab_size, temperature, BLOCK_V)
-            probs = _filtered(scaled, in_vocab, top_k_key, maximum, total, nucleus_key, kept_mass)
-            q = tl.load(q_ptr + offsets, mask=offsets < q_length, other=0.0).to(tl.float32)
-            mass = tl.where(empty, probs, tl.maximum(probs - q, 0.0))
-            cdf = cumulative + tl.cumsum(mass, axis=0)
-            below += tl.sum(((cdf <= threshold) & in_vocab).to(tl.int64), axis=0)
-            cumulative += tl.sum(mass, axis=0)
-        bonus = tl.minimum(below, vocab_size - 1)
+        accepted, bonus = _sampled_outcome(
+            row_ptr, draft_probs_ptr + row * draft_probs_row_stride, tl.where(has_draft, vocab_size, 0), draft,
+            tl.load(uniforms_ptr + row, mask=has_draft, other=1.0), tl.load(uniforms_ptr + num_drafts),
+            vocab_size, temperature, top_k_ptr, top_p_ptr, BLOCK_V)
     tl.store(row_accepted_ptr + row, (accepted & has_draft).to(tl.int32))
     tl.store(row_bonus_ptr + row, bonus.to(tl.int64))
 
