@@ -153,11 +153,13 @@ def test_layering_reads_one_way(importer, forbidden):
 
 def test_no_deferred_imports_of_our_own_modules():
     """A function-level import of a saguaro module would hide a cycle. The one kind allowed:
-    a TensorRT plugin's implementation loading its OpenAI Triton kernels, which import
-    `triton` (GPU machines) only when TensorRT runs the plugin."""
+    loading the OpenAI Triton kernels, which import `triton` (GPU machines), only where
+    they run: in a TensorRT plugin's implementation when TensorRT runs the plugin, and in
+    the kernel benchmark when a GPU is there."""
     deferred = {name: saguaro_imports(path, name, top_level=False) for name, path in saguaro_modules().items()}
     deferred = {name: targets for name, targets in deferred.items() if targets}
-    assert set(deferred) <= {"saguaro.plugins.fused_verify.tensorrt_plugin", "saguaro.plugins.branch_draft.tensorrt_plugin"}
+    assert set(deferred) <= {"saguaro.plugins.fused_verify.tensorrt_plugin", "saguaro.plugins.branch_draft.tensorrt_plugin",
+                             "saguaro.benchmarks.kernel_bench"}
     assert all(".triton_kernel" in target for targets in deferred.values() for target in targets), deferred
 
 

@@ -26,6 +26,9 @@ from typing import Callable
 
 import torch
 
+from saguaro.plugins.branch_draft.reference import plan_branches
+from saguaro.plugins.fused_verify.reference import fused_verify
+
 SAMPLED = dict(temperature=0.8, top_k=0, top_p=0.95)
 GREEDY = dict(temperature=0.0, top_k=0, top_p=1.0)
 BRANCHES_PER_DEPTH = 2
@@ -105,37 +108,36 @@ def verify_round(generator: torch.Generator, k: int, vocab: int, device: str):
 
 
 def verify_rows(k: int, args, generator) -> list[KernelRow]:
-    from saguaro.plugins.fused_verify.reference import fused_verify as reference
     logits, drafts, q, uniforms = verify_round(generator, k, args.vocab, args.device)
     rows = []
     for name, sampling in (("fused_verify greedy", GREEDY), ("fused_verify sampled", SAMPLED)):
         def run_reference():
-            return reference(logits, drafts, q, uniforms, **sampling)
+            return fused_verify(logits, drafts, q, uniforms, **sampling)
         rows.append(timed_row(name, k, run_reference, kernel_call(
             "fused_verify", lambda kernel: kernel(logits, drafts, q, uniforms, **sampling), args.device), args))
     return rows
 
 
 def plan_rows(k: int, args, generator) -> list[KernelRow]:
-    from saguaro.plugins.branch_draft.reference import plan_branches as reference
     scores = torch.randn(k + 1, args.vocab, generator=generator).to(args.device)
     drafts = scores[:k].argmax(-1)
     fanout = torch.full((k + 1,), BRANCHES_PER_DEPTH, dtype=torch.int64, device=args.device)
     context_length = 64
 
     def run_reference():
-        return reference(scores, drafts, fanout, context_length)
+        return plan_branches(scores, drafts, fanout, context_length)
     return [timed_row("plan_branches", k, run_reference, kernel_call(
         "plan_branches", lambda kernel: kernel(scores, drafts, fanout, context_length), args.device), args)]
 
 
 def kernel_call(op: str, call_with: Callable, device: str) -> Callable[[], object] | None:
-    """The OpenAI Triton kernel's call of `op`, or None without a GPU."""
+    """The OpenAI Triton kernel's call of `op`, or None without a GPU (the kernels' modules
+    import `triton`, which a CPU machine need not have)."""
     if device != "cuda":
         return None
-    from saguaro.plugins.branch_draft import triton_kernel as branch_kernels
-    from saguaro.plugins.fused_verify import triton_kernel as verify_kernels
-    kernel = verify_kernels.fused_verify if op == "fused_verify" else branch_kernels.plan_branches
+    from saguaro.plugins.branch_draft.triton_kernel import plan_branches as plan_kernel
+    from saguaro.plugins.fused_verify.triton_kernel import fused_verify as verify_kernel
+    kernel = verify_kernel if op == "fused_verify" else plan_kernel
     return lambda: call_with(kernel)
 
 
