@@ -6,6 +6,7 @@
 # one JSON of figures in the output folder. docs/gpu.md says how to fill the wheel folder.
 #
 #   bash scripts/gpu_check.sh --wheels DIR [--out DIR] [--tensorrt-llm] [--dry-run] [-- PYTEST_ARGS]
+#   bash scripts/gpu_check.sh --kernels-only [--out DIR] [--dry-run]
 #
 #   --wheels DIR        the wheel folder (also GPU_CHECK_WHEELS); nothing is fetched from anywhere
 #   --out DIR           where the log, the JSON, the venvs, models and engines go (default gpu-check)
@@ -13,6 +14,8 @@
 #   --tensorrt-llm      also the real TensorRT-LLM target, in a venv of its own
 #                       (scripts/gpu-requirements-tensorrt-llm.txt)
 #   --dry-run           check the folder satisfies the pins and print the plan; install nothing
+#   --kernels-only      no wheel folder, nothing installed: with the machine's own torch and OpenAI
+#                       Triton, the GPU tests (those needing TensorRT skip) and the kernel timings
 #
 # Exit status: 0 every check passed; 1 a step or a check failed; 2 bad usage, an unpinned
 # requirement or a wheel folder that does not satisfy the pins; 3 no NVIDIA GPU found (stopped
@@ -28,8 +31,9 @@ REQUIREMENTS="scripts/gpu-requirements.txt"
 LLM_REQUIREMENTS="scripts/gpu-requirements-tensorrt-llm.txt"
 WITH_TENSORRT_LLM=0
 DRY_RUN=0
+KERNELS_ONLY=0
 PYTEST_ARGS=()
-usage() { sed -n '7,15p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '7,18p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --wheels) [ $# -ge 2 ] || usage; WHEELS="$2"; shift 2 ;;
@@ -37,6 +41,7 @@ while [ $# -gt 0 ]; do
     --requirements) [ $# -ge 2 ] || usage; REQUIREMENTS="$2"; shift 2 ;;
     --tensorrt-llm) WITH_TENSORRT_LLM=1; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
+    --kernels-only) KERNELS_ONLY=1; shift ;;
     --) shift; PYTEST_ARGS=("$@"); break ;;
     -h|--help) usage ;;
     *) echo "gpu_check: unknown argument $1" >&2; usage ;;
@@ -64,6 +69,55 @@ stop() {  # stop <exit code> <status> <message>
   echo "gpu_check: log $LOG, figures $OUT/gpu_check.json"
   exit "$1"
 }
+
+find_gpu() {  # stop with status 3 unless nvidia-smi lists a GPU; record it
+  if ! GPUS="$("$NVIDIA_SMI" --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null)" \
+      || [ -z "$GPUS" ]; then
+    stop 3 no-gpu "no NVIDIA GPU found ($NVIDIA_SMI lists none): nothing was installed or run"
+  fi
+  echo "$GPUS" | sed 's/^/gpu: /' | tee "$OUT/gpus.txt"
+}
+step() {  # step <name> <command...>: run it with a time limit, record status and seconds
+  local name="$1"; shift
+  local started; started="$(date +%s.%N)"
+  echo "=== $name: $*"
+  timeout "$STEP_TIMEOUT" "$@"
+  local rc=$?
+  local seconds; seconds="$(awk -v a="$started" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')"
+  local status=pass; [ $rc -eq 0 ] || status="fail ($rc)"
+  printf '%s\t%s\t%s\n' "$name" "$status" "$seconds" >> "$STEPS"
+  echo "=== $name: $status in ${seconds} s"
+  return $rc
+}
+install_env() {  # install_env <venv> <requirements>
+  [ -x "$1/bin/python" ] || "$BASE_PYTHON" -m venv --system-site-packages "$1"
+  "$1/bin/python" -m pip install --quiet --no-index --find-links "$WHEELS" -r "$2"
+}
+
+finish() {  # the exit status from the steps' record
+  if grep -q $'\tfail' "$STEPS"; then
+    stop 1 failed "some steps failed: $(grep $'\tfail' "$STEPS" | cut -f1 | paste -sd, -)"
+  fi
+  stop 0 passed "every step passed"
+}
+device_kernels() {  # compile the OpenAI Triton kernels for the device, not the interpreter
+  export TRITON_INTERPRET=0
+  export PYTHONPATH="$ROOT/runtime:$ROOT/plugins:$ROOT/build:$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}"
+}
+if [ "$KERNELS_ONLY" = 1 ]; then  # the machine's own torch and OpenAI Triton, nothing installed
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "gpu_check: dry run; would run, with $("$BASE_PYTHON" -V 2>&1): GPU tests, kernel timings"
+    stop 0 dry-run "dry run done: nothing installed, built or run"
+  fi
+  find_gpu
+  PY="$BASE_PYTHON"
+  PYTHONPATH="$ROOT/runtime" "$PY" scripts/gpu_report.py --versions > "$OUT/versions.json" && cat "$OUT/versions.json"
+  device_kernels
+  step "GPU tests" "$PY" -m pytest -q -p no:cacheprovider -p gpu_summary -m gpu --junitxml "$OUT/gpu_tests.xml" \
+    tests/test_gpu.py
+  step "kernel timings" "$PY" scripts/bench_kernels.py --json "$OUT/kernels.json"
+  finish
+fi
 
 # 1. the arguments and the wheel folder, before anything else
 [ -n "$WHEELS" ] || stop 2 usage "no wheel folder: pass --wheels DIR (docs/gpu.md says how to fill one)"
@@ -99,29 +153,9 @@ if [ "$DRY_RUN" = 1 ]; then
   stop 0 dry-run "dry run done: nothing installed, built or run"
 fi
 
-# 2. a GPU, before installing gigabytes of CUDA wheels
-if ! GPUS="$("$NVIDIA_SMI" --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null)" \
-    || [ -z "$GPUS" ]; then
-  stop 3 no-gpu "no NVIDIA GPU found ($NVIDIA_SMI lists none): nothing was installed or run"
-fi
-echo "$GPUS" | sed 's/^/gpu: /' | tee "$OUT/gpus.txt"
 
-step() {  # step <name> <command...>: run it with a time limit, record status and seconds
-  local name="$1"; shift
-  local started; started="$(date +%s.%N)"
-  echo "=== $name: $*"
-  timeout "$STEP_TIMEOUT" "$@"
-  local rc=$?
-  local seconds; seconds="$(awk -v a="$started" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')"
-  local status=pass; [ $rc -eq 0 ] || status="fail ($rc)"
-  printf '%s\t%s\t%s\n' "$name" "$status" "$seconds" >> "$STEPS"
-  echo "=== $name: $status in ${seconds} s"
-  return $rc
-}
-install_env() {  # install_env <venv> <requirements>
-  [ -x "$1/bin/python" ] || "$BASE_PYTHON" -m venv --system-site-packages "$1"
-  "$1/bin/python" -m pip install --quiet --no-index --find-links "$WHEELS" -r "$2"
-}
+# 2. a GPU, before installing gigabytes of CUDA wheels
+find_gpu
 
 # 3. install, then the checks; a failed step is recorded and the next ones still run
 VENV="$OUT/venv"
@@ -131,8 +165,7 @@ PYTHONPATH="$ROOT/runtime" "$PY" scripts/gpu_report.py --versions > "$OUT/versio
 
 # the OpenAI Triton kernels compile for the device (tests/conftest.py defaults to the
 # interpreter); the source folders are the `saguaro` namespace package, nothing is installed
-export TRITON_INTERPRET=0
-export PYTHONPATH="$ROOT/runtime:$ROOT/plugins:$ROOT/build:$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}"
+device_kernels
 PAIR="$OUT/models/tiny"
 step "tiny model pair" "$PY" scripts/make_models.py --size tiny --out "$PAIR"
 for precision in fp32 fp16; do
@@ -154,7 +187,4 @@ if [ "$WITH_TENSORRT_LLM" = 1 ]; then
       -p gpu_summary -m tensorrt_llm --junitxml "$OUT/tensorrt_llm_tests.xml" tests/test_tensorrt_llm_target.py
 fi
 
-if grep -q $'\tfail' "$STEPS"; then
-  stop 1 failed "some steps failed: $(grep $'\tfail' "$STEPS" | cut -f1 | paste -sd, -)"
-fi
-stop 0 passed "every step passed"
+finish

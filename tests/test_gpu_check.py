@@ -136,3 +136,31 @@ def test_the_report_gathers_steps_tests_and_figures(tmp_path):
     assert (tests["passed"], tests["failed"], tests["skipped"]) == (1, 1, 1)
     assert tests["tests"][1] == {"test": "test_gpu::test_b", "outcome": "failed", "seconds": 2.0, "detail": "boom"}
     assert report["latency_suite"] == {"fp32": None, "fp16": {"decode_ms": 1.25}}
+
+
+def test_kernels_only_needs_no_wheel_folder_and_stops_cleanly_without_a_gpu(tmp_path):
+    result, out = run(tmp_path, "--kernels-only", "--dry-run")
+    assert result.returncode == 0 and "GPU tests, kernel timings" in result.stdout, result.stdout
+    assert status(out) == "dry-run"
+    result, out = run(tmp_path, "--kernels-only")
+    assert result.returncode == 3 and "no NVIDIA GPU found" in result.stdout, result.stdout
+    assert status(out) == "no-gpu" and not (out / "steps.tsv").read_text()
+
+
+def test_kernels_only_runs_its_two_steps_with_the_machines_own_python(tmp_path):
+    # a stand-in nvidia-smi that lists a GPU: the steps then run here, on the CPU, where the
+    # GPU tests skip and the kernel timings time the reference alone
+    fake_smi = tmp_path / "nvidia-smi"
+    fake_smi.write_text("#!/bin/sh\necho 'NVIDIA Stand-in, 580.00, 1000 MiB'\n")
+    fake_smi.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_NVIDIA_SMI": str(fake_smi)}
+    result = subprocess.run(["bash", str(SCRIPT), "--out", str(out), "--kernels-only"], capture_output=True,
+                            text=True, timeout=300, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stdout[-3000:]
+    steps = [line.split("\t")[:2] for line in (out / "steps.tsv").read_text().splitlines()]
+    assert steps == [["GPU tests", "pass"], ["kernel timings", "pass"]]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["status"] == "passed" and report["kernels"]["device"] == "cpu"
+    assert {row["op"] for row in report["kernels"]["rows"]} == {"fused_verify greedy", "fused_verify sampled",
+                                                                "plan_branches"}
