@@ -75,3 +75,15 @@ def test_a_levels_metrics_are_read_once_no_request_is_in_flight():
     finally:
         server.shutdown()
     assert metric(text, "ssd_requests_in_flight") == 0 and metric(text, "ssd_rounds_total") == 30
+
+
+def test_the_sampled_check_sends_top_p_only_when_it_filters_and_refuses_a_bad_one(tiny_engines, capsys):
+    from saguaro.benchmarks.load_bench import parse_args, request_inputs, sampled_inputs
+
+    assert sampled_inputs(1.0) == {"temperature": 0.8} and sampled_inputs(0.95)["top_p"] == 0.95
+    for path in ("ssd", "ensemble"):
+        sent = {item.name(): item for item in request_inputs(path, "hi", 4, sampled_inputs(0.95))}
+        assert sent["top_p"].datatype() == "FP32" and sent["temperature"].datatype() == "FP32"
+    with pytest.raises(SystemExit):
+        parse_args(["--engines", str(tiny_engines), "--sampled-top-p", "1.5"])
+    assert "--sampled-top-p must be in (0, 1]" in capsys.readouterr().err

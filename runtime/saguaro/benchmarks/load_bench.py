@@ -16,8 +16,9 @@ figure moves by a tenth, more than the differences the load policy's targets ask
 about). Per mode and C: total output
 tokens/s, per-request inter-token latency and time to first token (p50/p99), and, from
 the server's metrics, the mean batch size and mean K per round. A sampled check
-(temperature 0.8, C = 1) follows. Figures are printed (and written as JSON and a PNG
-plot), never asserted: the targets of the load policy are printed as met or not.
+(temperature 0.8, C = 1; `--sampled-top-p` adds top-p) follows. Figures are printed (and
+written as JSON and a PNG plot), never asserted: the targets of the load policy are
+printed as met or not.
 """
 from __future__ import annotations
 
@@ -120,7 +121,7 @@ def request_inputs(path: str, prompt: str, max_tokens: int, inputs: dict) -> lis
         return ensemble_inputs(prompt, max_tokens, True, end_id=-1, **inputs)
     arrays = {"text_input": [prompt], "max_tokens": [max_tokens], "stream": [True], "end_id": [-1], **inputs}
     dtypes = {"text_input": object, "max_tokens": np.int32, "stream": bool, "end_id": np.int32,
-              "decoding_mode": object, "num_draft_tokens": np.int32, "temperature": np.float32}
+              "decoding_mode": object, "num_draft_tokens": np.int32, "temperature": np.float32, "top_p": np.float32}
     return [tensor(name, values if isinstance(values, list) else [values], dtypes[name])
             for name, values in arrays.items()]
 
@@ -342,6 +343,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="where requests go, of " + ", ".join(PATHS) + " (default %(default)s): the ssd model "
                              "with text_input, or the ensemble (text through the pre/postprocessing models)")
     parser.add_argument("--no-sampled", action="store_true", help="skip the temperature 0.8 check at C=1")
+    parser.add_argument("--sampled-top-p", type=float, default=1.0,
+                        help="top-p of the sampled check (chat clients often send 0.9-0.95; default off)")
     parser.add_argument("--out", type=Path, default=Path(".triton/bench_serving"), help="JSON and PNG go here")
     args = parser.parse_args(argv)
     try:
@@ -358,9 +361,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--paths: choose from {', '.join(PATHS)}; got {','.join(args.paths)}")
     if min(args.concurrency) < 1 or args.max_tokens < 2 or min(args.repeats, args.requests_per_stream) < 1:
         parser.error("--concurrency, --repeats and --requests-per-stream values must be >= 1 and --max-tokens >= 2")
+    if not 0 < args.sampled_top_p <= 1:
+        parser.error(f"--sampled-top-p must be in (0, 1]; got {args.sampled_top_p}")
     if not (args.engines / "manifest.json").is_file():
         parser.error(f"--engines {args.engines}: no manifest.json (build engines with scripts/build_engines.py)")
     return args
+
+
+SAMPLED_TEMPERATURE = 0.8
+
+
+def sampled_inputs(top_p: float) -> dict:
+    """The sampled check's request inputs: top-p only when it filters (1 is the server's default)."""
+    return {"temperature": SAMPLED_TEMPERATURE, **({"top_p": top_p} if top_p < 1 else {})}
 
 
 def main(argv=None) -> int:
@@ -370,7 +383,8 @@ def main(argv=None) -> int:
     print(HEADER)
     levels = run_modes(args, args.modes, {}, args.concurrency, "greedy")
     batched = [mode for mode in args.modes if mode.batching == "iteration"]
-    sampled = [] if args.no_sampled else run_modes(args, batched, {"temperature": 0.8}, (1,), "temperature 0.8")
+    sampled = [] if args.no_sampled else run_modes(args, batched, sampled_inputs(args.sampled_top_p), (1,),
+                                                   f"temperature {SAMPLED_TEMPERATURE}, top-p {args.sampled_top_p}")
     print_cpu(levels)
     print_targets(levels, sampled)
     args.out.mkdir(parents=True, exist_ok=True)
