@@ -130,11 +130,9 @@ def nucleus(g: GraphBody, probs: str, top_p: str, vocab: str, widths: tuple[int,
         return filtered
     last = g.op("Slice", cumulative, g.const([-1], np.int64), g.const([np.iinfo(np.int64).max], np.int64),
                 g.const([-1], np.int64))
-    holds = g.reduce("ReduceMin", g.op("Cast", g.op("GreaterOrEqual", last, top_p), to=TensorProto.FLOAT),
-                     None, keepdims=0)
+    short = g.op("Less", g.reduce("ReduceMin", last, None, keepdims=0), top_p)  # some row's head holds less
     wider = GraphBody(f"{g.prefix}w{widths[0]}_", g.opset)
-    return if_else(g, g.op("Cast", g.op("Equal", holds, g.const(0.0)), to=TensorProto.BOOL), wider,
-                   nucleus(wider, probs, top_p, vocab, widths[1:]), filtered, TensorProto.FLOAT)
+    return if_else(g, short, wider, nucleus(wider, probs, top_p, vocab, widths[1:]), filtered, TensorProto.FLOAT)
 
 
 def logits_to_probs(g: GraphBody, logits: str, temperature: str, top_k: str, top_p: str) -> str:
