@@ -595,6 +595,14 @@ def test_the_wide_session_gives_the_same_logits_and_tokens(tiny_engines):
         alone = target.forward_batch([step()])[0]
     assert target._alone_session is not None and torch.equal(shared, alone)
     cache.release()
+    # its worker spins within a forward only (the other core is idle by definition then);
+    # the engine's own one-thread session never spins
+    wide = target._alone_session.get_session_options()
+    assert wide.intra_op_num_threads == 2
+    assert wide.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    assert wide.get_session_config_entry("session.force_spinning_stop") == "1"
+    own = target.sessions["model"].get_session_options()
+    assert own.get_session_config_entry("session.intra_op.allow_spinning") == "0"
 
     outputs = {}
     for alone in (True, False):

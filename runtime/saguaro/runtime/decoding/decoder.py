@@ -258,13 +258,14 @@ class Decoder:
         self.worker.shutdown(wait=True)
 
     def start(self, requests: Seq[Request]) -> list[Sequence]:
-        """New sequences: the target prefills their prompts (one batched forward); the
+        """New sequences: the target prefills their prompts (one batched forward, on both
+        cores where it may run alone: nothing of the draft's runs between rounds); the
         draft drafts their first proposals in their first round, as the policy plans it."""
         if any(request.options.steered for request in requests):
             self.load_policy.calibrate()
         sequences = [Sequence(request, self.target, self.draft) for request in requests]
         prefilled = [(s, step) for s in sequences if (step := s.verifier.prefill(s.request.prompt_ids))]
-        with stopwatch() as prefilling:
+        with stopwatch() as prefilling, self.target.run_alone() if self.alone else nullcontext():
             rows = self.target.forward_rows([step for _, step in prefilled]) if prefilled else []
         for (sequence, _), prompt_rows in zip(prefilled, rows):
             sequence.observe_features(0, prompt_rows.hidden)
