@@ -73,6 +73,22 @@ def test_the_cost_curve_interpolates_and_follows_what_it_measures():
     assert cost(64) == pytest.approx(0.020, rel=0.02) and cost(4) == pytest.approx(0.006, rel=0.02)
 
 
+def test_a_size_the_rising_envelope_holds_up_follows_its_own_measurements():
+    """Calibrated dearer at 1 token than at 2 (a noisy calibration), the curve prices 2
+    tokens at 1 token's cost (a forward never costs less for more). Measurements at 2
+    move its own factor toward what they saw, and no further: compared with the envelope,
+    each had pushed it down again, until it priced 2 tokens at half what they took once
+    1 token was measured cheaper."""
+    cost = CostCurve({1: 0.004, 2: 0.002, 5: 0.003})
+    assert cost(2) == pytest.approx(0.004)  # the envelope
+    for _ in range(200):
+        cost.observe(2, 0.002)  # as calibrated at 2
+    assert cost.factor(2) == pytest.approx(1.0, rel=0.01)
+    for _ in range(200):
+        cost.observe(1, 0.001)  # 1 token measured cheaper than calibrated
+    assert cost(1) == pytest.approx(0.001, rel=0.02) and cost(2) == pytest.approx(0.002, rel=0.02)
+
+
 def test_a_verify_measured_slower_than_calibrated_prices_wider_ones_dearer_too():
     """Rounds of 16 sequences verify a third slower than the one-sequence calibration
     (their attention reads 16 caches); at K = 0 only verify(16) is measured. Priced at

@@ -132,7 +132,8 @@ class CostCurve:
     third above the calibration at both 16 and 32 tokens. Had only the size measured moved
     (16, at K = 0), a wider verify (32, at K = 1) would have kept the one-sequence price
     and looked cheap, and the load policy drafted where drafting lost. A forward never
-    costs less for more tokens: predictions follow the rising envelope."""
+    costs less for more tokens: predictions follow the rising envelope, while each
+    measurement moves the levels themselves."""
 
     def __init__(self, points: Mapping[int, float] | Mapping[float, float] | None = None):
         self.points = dict(sorted((points or {}).items()))  # the shape
@@ -157,8 +158,12 @@ class CostCurve:
             self.points[size] = min(seconds, self.points.get(size, seconds))
             self.points = dict(sorted(self.points.items()))
             return
-        predicted = self(size)
-        if predicted <= 0 or seconds <= 0:
+        # against the curve's own level there, not its rising envelope: where the envelope
+        # held a size up (a smaller size priced dearer), every measurement of it had pushed
+        # its factor further the same way, unchecked (bench pair: 0.4 at 2 tokens, 1.27 at
+        # 5, pricing a verify of 5 tokens at 4.0 ms where it took 3.3)
+        predicted = interpolated(self._levels(), size, extend=True)
+        if size <= 0 or predicted <= 0 or seconds <= 0:
             return
         correction = seconds / predicted
         for point, share in self._shares(size):
@@ -184,11 +189,15 @@ class CostCurve:
         toward_high = (size - low) / (high - low)
         return [(low, 1.0 - toward_high), (high, toward_high)]
 
+    def _levels(self) -> list[tuple[float, float]]:
+        """Each calibrated size's seconds times its factor."""
+        return [(size, seconds * self.factor(size)) for size, seconds in self.points.items()]
+
     def _envelope(self) -> list[tuple[float, float]]:
         if self._rising is None:
             self._rising, highest = [], 0.0
-            for size, seconds in self.points.items():
-                highest = max(highest, seconds * self.factor(size))
+            for size, seconds in self._levels():
+                highest = max(highest, seconds)
                 self._rising.append((size, highest))
         return self._rising
 
