@@ -627,6 +627,7 @@ def test_the_wide_session_gives_the_same_logits_and_tokens(tiny_engines):
         pipeline = (Pipeline.load(engines=tiny_engines) if alone
                     else Pipeline.load(engines=tiny_engines, batching="per-request", max_concurrency=2))
         assert (pipeline.target._alone_session is not None) == alone
+        prefills = prefills_on_the_wide_session(pipeline.target)
         prompt = pipeline.encode("The with statement")
         outputs[alone] = [pipeline.generate(prompt, DecodeOptions(mode=mode, num_draft_tokens=4, adapt_k=adapt,
                                                                   max_tokens=40, eos_token_id=-1),
@@ -635,7 +636,24 @@ def test_the_wide_session_gives_the_same_logits_and_tokens(tiny_engines):
         used = pipeline.target._alone_session is not None
         pipeline.close()
         assert used == alone
+        # a prompt's prefill runs on the wide session where the decoder may run alone
+        # (nothing of the draft's runs between rounds), on the engine's own one else
+        assert prefills == [alone] * 3
     assert outputs[True] == outputs[False]
+
+
+def prefills_on_the_wide_session(target) -> list[bool]:
+    """For each prefill (a forward of a whole prompt) the target runs from now on,
+    whether it ran on the wide session."""
+    seen, forward_rows = [], target.forward_rows
+
+    def recorded(steps):
+        if any(step.last_only for step in steps):  # a prompt's (verify rounds read every row)
+            seen.append(getattr(target._running, "alone", False))
+        return forward_rows(steps)
+
+    target.forward_rows = recorded
+    return seen
 
 
 def test_generate_says_what_the_policy_chose():
