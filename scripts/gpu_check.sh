@@ -100,6 +100,9 @@ finish() {  # the exit status from the steps' record
   fi
   stop 0 passed "every step passed"
 }
+record_versions() {  # what $PY runs with, into versions.json
+  PYTHONPATH="$ROOT/runtime" "$PY" scripts/gpu_report.py --versions > "$OUT/versions.json" && cat "$OUT/versions.json"
+}
 device_kernels() {  # compile the OpenAI Triton kernels for the device, not the interpreter
   export TRITON_INTERPRET=0
   export PYTHONPATH="$ROOT/runtime:$ROOT/plugins:$ROOT/build:$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}"
@@ -111,7 +114,7 @@ if [ "$KERNELS_ONLY" = 1 ]; then  # the machine's own torch and OpenAI Triton, n
   fi
   find_gpu
   PY="$BASE_PYTHON"
-  PYTHONPATH="$ROOT/runtime" "$PY" scripts/gpu_report.py --versions > "$OUT/versions.json" && cat "$OUT/versions.json"
+  record_versions
   device_kernels
   step "GPU tests" "$PY" -m pytest -q -p no:cacheprovider -p gpu_summary -m gpu --junitxml "$OUT/gpu_tests.xml" \
     tests/test_gpu.py
@@ -153,7 +156,6 @@ if [ "$DRY_RUN" = 1 ]; then
   stop 0 dry-run "dry run done: nothing installed, built or run"
 fi
 
-
 # 2. a GPU, before installing gigabytes of CUDA wheels
 find_gpu
 
@@ -161,7 +163,7 @@ find_gpu
 VENV="$OUT/venv"
 step "install" install_env "$VENV" "$REQUIREMENTS" || stop 1 failed "installing from $WHEELS failed (above)"
 PY="$VENV/bin/python"
-PYTHONPATH="$ROOT/runtime" "$PY" scripts/gpu_report.py --versions > "$OUT/versions.json" && cat "$OUT/versions.json"
+record_versions
 
 # the OpenAI Triton kernels compile for the device (tests/conftest.py defaults to the
 # interpreter); the source folders are the `saguaro` namespace package, nothing is installed

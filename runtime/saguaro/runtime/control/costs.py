@@ -162,8 +162,10 @@ class CostCurve:
         # held a size up (a smaller size priced dearer), every measurement of it had pushed
         # its factor further the same way, unchecked (bench pair: 0.4 at 2 tokens, 1.27 at
         # 5, pricing a verify of 5 tokens at 4.0 ms where it took 3.3)
+        if size <= 0 or seconds <= 0:
+            return
         predicted = interpolated(self._levels(), size, extend=True)
-        if size <= 0 or predicted <= 0 or seconds <= 0:
+        if predicted <= 0:
             return
         correction = seconds / predicted
         for point, share in self._shares(size):
