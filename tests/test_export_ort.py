@@ -5,7 +5,9 @@ Tolerance: logits of an fp32 ORT engine agree with the eager torch engine to wit
 fused verification and branch plan inside the graphs must give exactly the reference
 op's outputs, for greedy and for sampling with fixed uniforms.
 """
+import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -204,14 +206,20 @@ def test_seeded_sampling_over_ort_engines_matches_torch_engines(fp32_engines, ti
         assert compiled.generate(prompt, options, sampling).output_ids == want.output_ids
 
 
-@pytest.mark.parametrize("precision, bits", [("int8", 8), ("int4", 4)])
+@pytest.mark.parametrize("precision, bits", [("int8", 8), ("int4", 4), ("w8a8", 8)])
 def test_quantised_builds_load_and_run(tiny_pair, tmp_path, precision, bits):
     out = tmp_path / precision
     build_engines(engine_config(tiny_pair, precision), out, show_progress=False)
     graph = onnx.load(str(out / "target" / "model.onnx")).graph
-    quantised = [node for node in graph.node if node.op_type == "MatMulNBits"]
-    assert quantised and not [node for node in graph.node if node.op_type == "MatMul"]
-    assert all(onnx.helper.get_attribute_value(a) == bits for n in quantised for a in n.attribute if a.name == "bits")
+    assert not [node for node in graph.node if node.op_type == "MatMul"]
+    if precision == "w8a8":
+        weights = {tensor.name: tensor for tensor in graph.initializer}
+        integer = [node for node in graph.node if node.op_type == "MatMulInteger"]
+        assert integer and all(weights[node.input[1]].data_type == onnx.TensorProto.INT8 for node in integer)
+    else:
+        quantised = [node for node in graph.node if node.op_type == "MatMulNBits"]
+        assert quantised and all(onnx.helper.get_attribute_value(a) == bits
+                                 for n in quantised for a in n.attribute if a.name == "bits")
     pipeline = Pipeline.load(engines=out)
     generation = pipeline.generate(PROMPT, DecodeOptions(mode="ssd", num_draft_tokens=3, max_tokens=12),
                                    SamplingParams())
@@ -283,3 +291,33 @@ def test_a_last_only_step_is_scored_alone_beside_full_ones(engines, role):
     assert_same_logits(got[0].logits, want[0].logits[-1:])
     assert_same_logits(got[1].logits, want[1].logits)
     assert syncing.length == twins[0].length == 9
+
+
+def test_per_token_int8_computes_what_it_promises():
+    """w8a8: each row quantised by its own largest magnitude (round half to even, uint8
+    around 128), the weight by each column's, integer sums scaled back: the graph's result
+    equals that computed in numpy to float rounding, and is close to the fp32 product."""
+    from saguaro.compiler.fused_export import GraphWriter, finished_model, per_token_int8
+
+    generator = np.random.default_rng(0)
+    weight = generator.standard_normal((48, 24)).astype(np.float32)
+    weight[:, 3] = 0  # a column of zeros keeps a usable scale
+    rows = generator.standard_normal((2, 3, 48)).astype(np.float32)
+    rows[1, 2] = 0  # so does a row of zeros
+    g = GraphWriter()
+    g.node("MatMul", ["x", g.constant("w", weight)], ["y"])
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 48])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3, 24])
+    model = per_token_int8(finished_model(g, "one_matmul", [x], [y]))
+    assert {node.op_type for node in model.graph.node} >= {"QuantizeLinear", "MatMulInteger"}
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": rows})[0]
+
+    row_scale = np.maximum(np.abs(rows).max(-1, keepdims=True) / np.float32(127), np.float32(1e-30))
+    column_scale = np.abs(weight).max(0) / 127
+    column_scale[column_scale == 0] = 1
+    integer_rows = np.round(rows / row_scale).astype(np.int64)
+    integer_weight = np.round(weight / column_scale).astype(np.int64)
+    want = (integer_rows @ integer_weight).astype(np.float32) * row_scale * column_scale.astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert np.abs(got - rows @ weight).max() < 0.03 * np.abs(rows @ weight).max()
+    assert not got[1, 2].any() and not got[..., 3].any()

@@ -245,9 +245,9 @@ def graph_ops(path) -> set[str]:
     return {node.op_type for node in onnx.load(str(path), load_external_data=False).graph.node}
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("precision", ["int8", "int4", "w8a8"])
 def test_quantised_feature_pairs_load_and_decode(tiny_pair, head_dir, tmp_path, precision):
-    """int8 through the build script (as users build), int4 in process: the head's graphs
+    """int8 through the build script (as users build), int4 and w8a8 in process: the head's graphs
     are quantised, and greedy SSD gives that target's own tokens."""
     out = tmp_path / precision
     if precision == "int8":
@@ -255,8 +255,9 @@ def test_quantised_feature_pairs_load_and_decode(tiny_pair, head_dir, tmp_path, 
         build_engines_cli(tiny_pair, out, "--precision", "int8", *limits, "--max-batch", "2", draft=head_dir)
     else:
         build_engines(feature_config(tiny_pair, head_dir, precision), out, show_progress=False)
+    quantised_matmul = "MatMulInteger" if precision == "w8a8" else "MatMulNBits"
     for graph in ("model", "project"):
-        assert "MatMulNBits" in graph_ops(out / "draft" / f"{graph}.onnx")
+        assert quantised_matmul in graph_ops(out / "draft" / f"{graph}.onnx")
     pipeline = Pipeline(*load_engine_pair(out))
     assert isinstance(pipeline.draft, OnnxRuntimeFeatureDraft) and pipeline.target.info.feature_layers
     ssd = DecodeOptions(mode="ssd", num_draft_tokens=K, fanout=(2,), max_tokens=12)

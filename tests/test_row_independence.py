@@ -24,7 +24,7 @@ from saguaro.runtime.engines.manifest import read_manifest
 from saguaro.runtime.engines.onnxruntime_engine import SCORED_INPUT
 from saguaro.runtime.engines.torch_engine import TorchEngine
 
-PRECISIONS = ["fp32", "int8", "int4"]
+PRECISIONS = ["fp32", "int8", "int4", "w8a8"]
 PROMPT = [5, 9, 14, 3, 22, 7, 11, 6, 18, 4]
 CONTINUATION = [8, 30, 2, 41, 17, 9, 26, 12, 33]
 WIDTHS = [2, 3, 5, 9]  # a verify of K+1 tokens, K = 1, 2, 4, 8
@@ -136,7 +136,7 @@ def test_every_node_computes_each_row_on_its_own(engine_dir, target, tmp_path):
         if not np.array_equal(out[0, 0], other[0, 0]):
             differing.append(f"{name} ({op_of.get(name)})")
     assert not differing, f"rows depend on their forward at: {differing[:5]}"
-    matmul = "MatMul" if read_manifest(engine_dir)["precision"] == "fp32" else "MatMulNBits"
+    matmul = {"fp32": "MatMul", "w8a8": "MatMulInteger"}.get(read_manifest(engine_dir)["precision"], "MatMulNBits")
     assert {matmul, "GroupQueryAttention", "SkipSimplifiedLayerNormalization", "QuickGelu", "Mul"} <= compared
 
 

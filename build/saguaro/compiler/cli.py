@@ -25,7 +25,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                           "name: tiny, bench (default tiny)")
     parser.add_argument("--out", type=Path, help="engine directory (default: engines/<name>)")
     parser.add_argument("--backend", choices=BACKENDS)
-    parser.add_argument("--precision", help="fp32 | int8 | int4 (onnxruntime); fp32 | fp16 | bf16 (tensorrt); "
+    parser.add_argument("--precision", help="fp32 | int8 | int4 | w8a8 (onnxruntime); fp32 | fp16 | bf16 (tensorrt); "
                                             "auto: the backend's default (fp32, fp16)")
     parser.add_argument("--max-draft-tokens", type=int, help="K: the longest draft a verify accepts")
     parser.add_argument("--max-branches", type=int, help="fan-out budget: branches per round")

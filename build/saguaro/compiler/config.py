@@ -24,11 +24,12 @@ from saguaro.runtime.engines.tensorrt_llm_settings import TensorRTLLMSettings
 # tensorrt_llm: the target runs in TensorRT-LLM from its checkpoint (nothing to build);
 # the draft's graphs are built for `tensorrt_llm.draft_backend`.
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt_llm")
-# int8: ORT dynamic quantisation (MatMulInteger); int4: ORT's weight-only MatMulNBits.
+# int8, int4: ORT's weight-only MatMulNBits (block 32); w8a8: int8 weights per channel and
+# activations per token (MatMulInteger), faster for several rows a forward (`fused_export`).
 # TensorRT builds float engines here, strongly typed from a graph exported in the precision
 # (bf16 needs an Ampere or newer GPU); its int8/int4 would need calibration or Q/DQ graphs.
 # For tensorrt_llm, `precision` is the draft's, in its draft backend.
-PRECISIONS = {"onnxruntime": ("fp32", "int8", "int4"), "tensorrt": ("fp32", "fp16", "bf16")}
+PRECISIONS = {"onnxruntime": ("fp32", "int8", "int4", "w8a8"), "tensorrt": ("fp32", "fp16", "bf16")}
 # A config that names no precision (or `auto`) gets its backend's: fp32 on CPU cores (ONNX
 # Runtime has no bf16 kernels, and its fp16 is no faster there), fp16 on a GPU.
 DEFAULT_PRECISIONS = {"onnxruntime": "fp32", "tensorrt": "fp16"}

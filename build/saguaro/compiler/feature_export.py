@@ -17,7 +17,7 @@ token at p, the feature of p - 1) and one layer of past K/V -> logits [B, S,
 draft_vocab_size] float32 (the metadata's `SCORED_TOKENS_KEY` names each row's token),
 `hidden_out` [B, S, hidden] float32, present_key.0, present_value.0. `project`: `features`
 [N, feature_width] float32 -> `projected` [N, hidden] float32. Both graphs are quantised
-as the models' are (`fused_export.quantize`: int8 / int4 MatMulNBits).
+as the models' are (`fused_export.quantize`: int8 / int4 MatMulNBits, w8a8 MatMulInteger).
 """
 from __future__ import annotations
 

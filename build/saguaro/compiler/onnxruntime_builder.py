@@ -1,7 +1,7 @@
 """The ONNX Runtime backend: a role's graphs, and the check that ONNX Runtime opens them.
 
 A role is one fused model graph (`fused_export`: every call of the model, weights held
-once, fp32 / int8 / int4) plus the plugin graph that role needs, weightless and small:
+once, fp32 / int8 / int4 / w8a8) plus the plugin graph that role needs, weightless and small:
 `fused_verify` for the target (a FusedVerify node reading the model's logits rows) and
 `branch_draft` for the draft (a BranchDraft node). Each plugin node is backed by its ONNX
 local function, which ONNX Runtime inlines. A feature draft (an EAGLE-3 head) is its
