@@ -16,7 +16,7 @@ from pathlib import Path
 
 import onnx
 
-from saguaro.compiler import export, feature_export, fused_export
+from saguaro.compiler import export, feature_export, fused_export, smoothing
 from saguaro.plugins.fused_verify import onnx_function as fused_verify_onnx
 from saguaro.runtime.engines.onnxruntime_engine import SessionSettings, open_session
 from saguaro.runtime.models.checkpoint import read_state_dict
@@ -38,7 +38,10 @@ def export_role(config, role: str, shape, checkpoint: Path, folder: Path,
     """The role's graphs in `folder`; returns stem -> path. `feature_layers`: a target's,
     for a feature draft (`fused_export`'s `hidden_states` output)."""
     folder.mkdir(parents=True, exist_ok=True)
-    paths = {"model": fused_export.export_model(shape, read_state_dict(checkpoint), folder / "model.onnx",
+    state = read_state_dict(checkpoint)
+    if config.precision == fused_export.PER_TOKEN_INT8:
+        state = smoothing.smoothed_state(shape, state, checkpoint)
+    paths = {"model": fused_export.export_model(shape, state, folder / "model.onnx",
                                                 config.precision, rope_positions(config), feature_layers)}
     if role == "target":
         return {**paths, **save_plugin(fused_verify_onnx.standalone_model(config.opset), folder, "fused_verify")}

@@ -1,12 +1,19 @@
 """Two engine folders' forwards timed against each other, interleaved.
 
     python scripts/compare_engines.py engines/before engines/after [--repeats 80] [--context 128]
+    python scripts/compare_engines.py engines/fp32 engines/w8a8 --agreement [--max-tokens 96]
 
 One call of each engine in turn, so a busy spell of a shared machine lands on both alike;
 the median ms of target decode (1 token), target verify (5), draft decode (1) and a draft
 tree step (8 branches) after `--context` cached tokens, one thread per engine, and the
 ratio second / first. What a graph change costs, where the engine latency suite's
 separate runs differ by more than the change.
+
+`--agreement`: how far the second target is from the first (a quantised build from fp32):
+the first answers the benchmark's prompts greedily (chat questions through the chat
+template where the tokenizer has one, else plain prompts), then both read those answers
+in one forward each; per answer position, whether their argmax agrees, and the mean
+KL(first || second) of their next-token distributions.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ from pathlib import Path
 import torch
 
 from saguaro.runtime.engines import load_engine_pair
+from saguaro.runtime.models.prompts import CHAT_PROMPTS, PROMPTS, encode_chat, encode_text, has_chat_template
 
 FORWARDS = [("target decode(1)", 0, 1), ("target verify(5)", 0, 5), ("draft decode(1)", 1, 1),
             ("draft tree(8)", 1, 8)]
@@ -62,6 +70,48 @@ def compare(folders: list[Path], repeats: int, context: int) -> list[tuple[str, 
     return rows
 
 
+def greedy_answer(engine, prompt: list[int], tokens: int) -> list[int]:
+    """`prompt` and the engine's greedy continuation, decoded a token at a time."""
+    cache = engine.new_cache(len(prompt) + tokens + 1)
+    ids = list(prompt)
+    logits = engine.forward(cache, torch.tensor(ids), torch.arange(len(ids)))
+    for _ in range(tokens):
+        ids.append(int(logits[-1].argmax()))
+        logits = engine.forward(cache, torch.tensor(ids[-1:]), torch.tensor([len(ids) - 1]))
+    cache.release()
+    return ids
+
+
+def read_logits(engine, ids: list[int]) -> torch.Tensor:
+    """Every position's logits for `ids`, one forward."""
+    cache = engine.new_cache(len(ids) + 1)
+    logits = engine.forward(cache, torch.tensor(ids), torch.arange(len(ids))).float()
+    cache.release()
+    return logits
+
+
+def benchmark_prompts(tokenizer) -> list[list[int]]:
+    if has_chat_template(tokenizer):
+        return [encode_chat(tokenizer, [{"role": "user", "content": text}]) for text in CHAT_PROMPTS]
+    return [encode_text(tokenizer, text) for text in PROMPTS]
+
+
+def agreement(folders: list[Path], tokens: int) -> tuple[float, float, int]:
+    """(top-1 agreement, mean KL(first || second), positions) over the first target's
+    greedy answers to the benchmark prompts."""
+    first, second = (load_engine_pair(folder, 1, 1)[0] for folder in folders)
+    agreeing, divergence, positions = 0, 0.0, 0
+    for prompt in benchmark_prompts(first.tokenizer):
+        ids = greedy_answer(first, prompt, tokens)
+        # the positions that predict the answer's tokens
+        reference, other = (read_logits(engine, ids)[len(prompt) - 1:-1] for engine in (first, second))
+        agreeing += int((reference.argmax(-1) == other.argmax(-1)).sum())
+        p, q = torch.log_softmax(reference, -1), torch.log_softmax(other, -1)
+        divergence += float((p.exp() * (p - q)).sum())
+        positions += len(reference)
+    return agreeing / positions, divergence / positions, positions
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="compare_engines.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,10 +119,18 @@ def main(argv=None) -> int:
     parser.add_argument("second", type=Path)
     parser.add_argument("--repeats", type=int, default=80)
     parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--agreement", action="store_true",
+                        help="the second target's greedy agreement and KL against the first, not times")
+    parser.add_argument("--max-tokens", type=int, default=96, help="with --agreement: answer tokens per prompt")
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.context < 1:
-        parser.error("--repeats and --context must be >= 1")
+    if args.repeats < 1 or args.context < 1 or args.max_tokens < 1:
+        parser.error("--repeats, --context and --max-tokens must be >= 1")
     torch.set_num_threads(1)
+    if args.agreement:
+        share, divergence, positions = agreement([args.first, args.second], args.max_tokens)
+        print(f"{args.second} against {args.first}: greedy agreement {share:.4f} over {positions} answer "
+              f"positions, mean KL {divergence:.5f}")
+        return 0
     print(f"median ms of {args.repeats} interleaved calls at {args.context} cached tokens")
     print(f"{'forward':18s} {'first':>9s} {'second':>9s} {'second/first':>12s}")
     for name, first, second in compare([args.first, args.second], args.repeats, args.context):
