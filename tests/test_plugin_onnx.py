@@ -140,6 +140,20 @@ def test_uniforms_steer_the_bonus(verify_session):
     assert bonuses == {0, 3, 6, 9}
 
 
+def test_the_bonus_is_the_first_token_past_the_threshold_and_the_last_when_none_is(verify_session):
+    """The CDF's tokens at or below u * total are a prefix (probabilities are >= 0), so
+    the bonus is the first token past it, zero-probability tokens never chosen; where u *
+    total rounds up to the total (here u = 1, outside the uniforms' [0, 1)), none is past
+    it and the bonus is the last token, as the reference's clamp gives it."""
+    logits = torch.tensor([[0.0, -float("inf"), 0.0, -float("inf"), 0.0, -float("inf")]])
+    empty_q, empty_drafts = torch.zeros(0, 6), torch.zeros(0, dtype=torch.int64)
+    for u in (0.0, 0.3, 0.34, 0.5, 0.66, 0.7, 0.99, float(np.nextafter(np.float32(1), np.float32(0))), 1.0):
+        uniforms = torch.tensor([u], dtype=torch.float32)
+        expected = reference_outcome(logits, empty_drafts, empty_q, uniforms, 1.0)
+        assert run_verify(verify_session, logits, empty_drafts, empty_q, uniforms, 1.0) == expected
+        assert expected[1] == (5 if u == 1.0 else 0 if u < 1 / 3 else 2 if u < 2 / 3 else 4)
+
+
 def run_branches(sess, scores, drafts, fanout, context_length):
     feeds = {"scores": scores.numpy(), "draft_tokens": drafts.numpy(), "fanout": fanout.numpy(),
              "context_length": np.array(context_length, np.int64)}

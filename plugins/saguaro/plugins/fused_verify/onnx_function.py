@@ -147,10 +147,15 @@ def sample_from(g: GraphBody, row: str, uniform: str, vocab: str) -> str:
     """`plugins.probs.sample_from` for one row `[V]`: first index whose CDF exceeds u * total."""
     cdf = g.op("CumSum", row, g.const(0, np.int64))
     total = g.op("Slice", cdf, g.const([-1], np.int64), g.const([np.iinfo(np.int64).max], np.int64))
-    below = g.op("LessOrEqual", cdf, g.op("Mul", uniform, total))
-    count = g.reduce("ReduceSum", g.op("Cast", below, to=TensorProto.INT64), None, keepdims=0)
+    # the CDF never falls (its terms are >= 0), so the tokens at or below the threshold are
+    # a prefix and their count is the first index above it: ArgMax's first maximum over a
+    # byte per token (a sum of int64 flags had been a third of a sampled K = 0 call)
+    above = g.op("Cast", g.op("Greater", cdf, g.op("Mul", uniform, total)), to=TensorProto.UINT8)
+    first_above = g.op("ArgMax", above, axis=0, keepdims=0)
     last = g.op("Squeeze", g.op("Sub", vocab, g.const([1], np.int64)), g.const([0], np.int64))
-    return g.op("Min", count, last)
+    # none above (u * total rounded up to the total): every token counts, clamped to the last
+    none_above = g.op("Equal", g.reduce("ReduceMax", above, None, keepdims=0), g.const(0, np.uint8))
+    return g.op("Where", none_above, last, first_above)
 
 
 def greedy_branch(opset: int, logits: str, draft_count: str) -> onnx.GraphProto:
