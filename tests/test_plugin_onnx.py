@@ -1,4 +1,6 @@
 """The plugins' ONNX local functions, run in ONNX Runtime, against the torch reference ops."""
+import itertools
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -147,10 +149,12 @@ def test_the_bonus_is_the_first_token_past_the_threshold_and_the_last_when_none_
     it and the bonus is the last token, as the reference's clamp gives it."""
     logits = torch.tensor([[0.0, -float("inf"), 0.0, -float("inf"), 0.0, -float("inf")]])
     empty_q, empty_drafts = torch.zeros(0, 6), torch.zeros(0, dtype=torch.int64)
-    for u in (0.0, 0.3, 0.34, 0.5, 0.66, 0.7, 0.99, float(np.nextafter(np.float32(1), np.float32(0))), 1.0):
+    us = (0.0, 0.3, 0.34, 0.5, 0.66, 0.7, 0.99, float(np.nextafter(np.float32(1), np.float32(0))), 1.0)
+    # the whole row's CDF, and a filtered row's (top-k, top-p): the CDF of its nonzero tokens
+    for u, (top_k, top_p) in itertools.product(us, [(0, 1.0), (3, 1.0), (0, 0.999)]):
         uniforms = torch.tensor([u], dtype=torch.float32)
-        expected = reference_outcome(logits, empty_drafts, empty_q, uniforms, 1.0)
-        assert run_verify(verify_session, logits, empty_drafts, empty_q, uniforms, 1.0) == expected
+        expected = reference_outcome(logits, empty_drafts, empty_q, uniforms, 1.0, top_k, top_p)
+        assert run_verify(verify_session, logits, empty_drafts, empty_q, uniforms, 1.0, top_k, top_p) == expected
         assert expected[1] == (5 if u == 1.0 else 0 if u < 1 / 3 else 2 if u < 2 / 3 else 4)
 
 

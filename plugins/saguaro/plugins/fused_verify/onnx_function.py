@@ -143,19 +143,36 @@ def logits_to_probs(g: GraphBody, logits: str, temperature: str, top_k: str, top
     return top_p_filter(g, probs, top_p, vocab)
 
 
-def sample_from(g: GraphBody, row: str, uniform: str, vocab: str) -> str:
-    """`plugins.probs.sample_from` for one row `[V]`: first index whose CDF exceeds u * total."""
-    cdf = g.op("CumSum", row, g.const(0, np.int64))
-    total = g.op("Slice", cdf, g.const([-1], np.int64), g.const([np.iinfo(np.int64).max], np.int64))
-    # the CDF never falls (its terms are >= 0), so the tokens at or below the threshold are
-    # a prefix and their count is the first index above it: ArgMax's first maximum over a
-    # byte per token (a sum of int64 flags had been a third of a sampled K = 0 call)
-    above = g.op("Cast", g.op("Greater", cdf, g.op("Mul", uniform, total)), to=TensorProto.UINT8)
-    first_above = g.op("ArgMax", above, axis=0, keepdims=0)
+def sample_from(g: GraphBody, row: str, uniform: str, vocab: str, filtered: str) -> str:
+    """`plugins.probs.sample_from` for one row `[V]`: the first index whose CDF exceeds
+    u * total. `filtered` (a bool scalar): a top-k or top-p filter left the row's mass on
+    a few tokens, whose CDF alone is summed (`NonZero`): adding a zero changes no float,
+    so their partial sums are the whole row's at those tokens, and the first past the
+    threshold is the same token (on SmolLM2's 49,152 tokens the CDF of the whole row was
+    a third of a sampled K = 0 call)."""
     last = g.op("Squeeze", g.op("Sub", vocab, g.const([1], np.int64)), g.const([0], np.int64))
-    # none above (u * total rounded up to the total): every token counts, clamped to the last
-    none_above = g.op("Equal", g.reduce("ReduceMax", above, None, keepdims=0), g.const(0, np.uint8))
-    return g.op("Where", none_above, last, first_above)
+    few = GraphBody(g.prefix + "few_", g.opset)
+    tokens = few.op("Squeeze", few.op("NonZero", few.op("Greater", row, few.const(0.0))), few.const([0], np.int64))
+    first, none = first_past(few, few.op("Gather", row, tokens, axis=0), uniform)
+    few.op("Where", none, last, few.op("Gather", tokens, first, axis=0), outputs=[few.prefix + "token"])
+    every = GraphBody(g.prefix + "every_", g.opset)
+    first, none = first_past(every, row, uniform)
+    every.op("Where", none, last, first, outputs=[every.prefix + "token"])
+    return g.op("If", filtered, then_branch=few.graph(few.prefix + "graph", [(few.prefix + "token", TensorProto.INT64)]),
+                else_branch=every.graph(every.prefix + "graph", [(every.prefix + "token", TensorProto.INT64)]))
+
+
+def first_past(g: GraphBody, values: str, uniform: str) -> tuple[str, str]:
+    """The first index of `values` `[n]` (>= 0) whose running sum exceeds u times their
+    total, and whether none does (u * total rounded up to the total: the reference then
+    takes the vocabulary's last token). The sum never falls, so the indices at or below
+    the threshold are a prefix and the first past it is ArgMax's first maximum over a
+    byte per index (a sum of int64 flags had been a third of a sampled K = 0 call)."""
+    cdf = g.op("CumSum", values, g.const(0, np.int64))
+    total = g.op("Slice", cdf, g.const([-1], np.int64), g.const([np.iinfo(np.int64).max], np.int64))
+    above = g.op("Cast", g.op("Greater", cdf, g.op("Mul", uniform, total)), to=TensorProto.UINT8)
+    none = g.op("Equal", g.reduce("ReduceMax", above, None, keepdims=0), g.const(0, np.uint8))
+    return g.op("ArgMax", above, axis=0, keepdims=0), none
 
 
 def greedy_branch(opset: int, logits: str, draft_count: str) -> onnx.GraphProto:
@@ -197,7 +214,10 @@ def sampling_branch(opset: int, logits: str, draft_count: str) -> onnx.GraphProt
     u_bonus = g.op("Gather", "uniforms", g.op("Squeeze", draft_count, g.const([0], np.int64)), axis=0)
     row = g.op("Gather", residual_rows(g, probs, draft_probs, vocab), accepted, axis=0)
     g.op("Identity", accepted, outputs=["sampling_accepted"])
-    g.op("Identity", sample_from(g, row, u_bonus, vocab), outputs=["sampling_bonus"])
+    vocab_scalar = g.op("Squeeze", vocab, g.const([0], np.int64))
+    top_k_on = g.op("And", g.op("Greater", "top_k", g.const(0, np.int64)), g.op("Less", "top_k", vocab_scalar))
+    filtered = g.op("Or", top_k_on, g.op("Less", "top_p", g.const(1.0)))
+    g.op("Identity", sample_from(g, row, u_bonus, vocab, filtered), outputs=["sampling_bonus"])
     return g.graph("sampling", [("sampling_accepted", TensorProto.INT64), ("sampling_bonus", TensorProto.INT64)])
 
 
