@@ -186,17 +186,21 @@ def greedy_branch(opset: int, logits: str, draft_count: str) -> onnx.GraphProto:
     return g.graph("greedy", [("greedy_accepted", TensorProto.INT64), ("greedy_bonus", TensorProto.INT64)])
 
 
-def residual_rows(g: GraphBody, probs: str, draft_probs: str, vocab: str) -> str:
-    """`norm(max(p - q, 0))` rows with q padded by a zero row; p where the residual is empty.
+def residual_row(g: GraphBody, probs: str, draft_probs: str, vocab: str, accepted: str) -> str:
+    """`max(p - q, 0)` of the first row not accepted (q padded by a zero row, so after K
+    accepted drafts it is p); p where that residual is empty. Only the row the bonus comes
+    from: each is computed on its own, so it is the same row as among all K + 1 (which had
+    cost a verify of K = 4 four rows of 49,152 for nothing).
 
     Left unnormalised: sampling by inverse CDF scales by the row total anyway.
     """
     zero_row = g.op("ConstantOfShape", g.op("Concat", g.const([1], np.int64), vocab, axis=0),
                     value=numpy_helper.from_array(np.zeros(1, np.float32)))
-    q_padded = g.op("Concat", draft_probs, zero_row, axis=0)
-    residual = g.op("Relu", g.op("Sub", probs, q_padded))
-    empty = g.op("LessOrEqual", g.reduce("ReduceSum", residual, [-1], keepdims=1), g.const(0.0))
-    return g.op("Where", empty, probs, residual)
+    p = g.op("Gather", probs, accepted, axis=0)
+    q = g.op("Gather", g.op("Concat", draft_probs, zero_row, axis=0), accepted, axis=0)
+    residual = g.op("Relu", g.op("Sub", p, q))
+    empty = g.op("LessOrEqual", g.reduce("ReduceSum", residual, None, keepdims=0), g.const(0.0))
+    return g.op("Where", empty, p, residual)
 
 
 def sampling_branch(opset: int, logits: str, draft_count: str) -> onnx.GraphProto:
@@ -212,7 +216,7 @@ def sampling_branch(opset: int, logits: str, draft_count: str) -> onnx.GraphProt
     u_accept = g.first_rows("uniforms", draft_count)
     accepted = leading_true_count(g, g.op("Less", g.op("Mul", u_accept, q_draft), p_draft))
     u_bonus = g.op("Gather", "uniforms", g.op("Squeeze", draft_count, g.const([0], np.int64)), axis=0)
-    row = g.op("Gather", residual_rows(g, probs, draft_probs, vocab), accepted, axis=0)
+    row = residual_row(g, probs, draft_probs, vocab, accepted)
     g.op("Identity", accepted, outputs=["sampling_accepted"])
     vocab_scalar = g.op("Squeeze", vocab, g.const([0], np.int64))
     top_k_on = g.op("And", g.op("Greater", "top_k", g.const(0, np.int64)), g.op("Less", "top_k", vocab_scalar))
