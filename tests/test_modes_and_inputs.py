@@ -9,9 +9,18 @@ import torch
 from checkpoints import make_checkpoint
 
 from saguaro.plugins.fused_verify.reference import fused_verify
+from saguaro.plugins.probs import logits_to_probs, sample_from
 from saguaro.runtime.core.options import DecodeOptions
-from saguaro.runtime.core.sampling import ACCEPT_STREAM, BONUS_STREAM, SamplingParams, keyed_uniforms, pick_tokens
+from saguaro.runtime.core.sampling import (
+    ACCEPT_STREAM,
+    BONUS_STREAM,
+    DRAFT_STREAM,
+    SamplingParams,
+    keyed_uniforms,
+    pick_tokens,
+)
 from saguaro.runtime.models.checkpoint import CheckpointError
+from saguaro.runtime.models.llama import UNSCORED
 from saguaro.runtime.pipeline import Pipeline, RequestError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,3 +262,20 @@ def test_cli_json_contract(tiny_pair):
 def test_cli_rejects_bad_input_with_exit_code_2(tiny_pair, args, message):
     result = generate_cli("--target", str(tiny_pair / "target"), "--draft", str(tiny_pair / "draft"), *args)
     assert result.returncode == 2 and message in result.stderr
+
+
+def test_a_draft_scoring_part_of_the_vocabulary_samples_from_those_tokens_alone():
+    """A reduced-vocabulary draft (its other logits UNSCORED): q over its tokens, spread
+    with zeros elsewhere, is the whole row's distribution, and each token is the one the
+    whole row's inverse CDF gives for the same uniform."""
+    scored = torch.tensor([2, 5, 7, 11, 30, 49])
+    logits = torch.full((3, 50), UNSCORED)
+    logits[:, scored] = torch.randn(3, len(scored), generator=torch.Generator().manual_seed(1)) * 2
+    positions = torch.arange(3) + 10
+    for sampling in (SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=1.2, top_k=3, top_p=0.9, seed=4)):
+        tokens, q = pick_tokens(logits, sampling, None, positions)
+        assert q is not None and q.shape == logits.shape
+        torch.testing.assert_close(q, logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p),
+                                   rtol=1e-5, atol=1e-7)
+        assert set(tokens.tolist()) <= set(scored.tolist()) and not q[:, [0, 1, 3, 48]].any()
+        assert torch.equal(tokens, sample_from(q, keyed_uniforms(sampling.seed, DRAFT_STREAM, positions)))

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from saguaro.plugins.probs import is_greedy, logits_to_probs, saguaro_rescale, sample_from
+from saguaro.runtime.models.llama import UNSCORED
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,26 @@ def pick_tokens(logits: torch.Tensor, params: SamplingParams, saguaro: SaguaroSa
     sampled from q (returned) with the draft's keyed uniform for that position."""
     if params.greedy:
         return torch.argmax(logits, dim=-1), None
-    q = draft_distribution(logits, params, saguaro)
     assert params.seed is not None  # the loops sample with seeded parameters (`with_seed`)
-    return sample_from(q, keyed_uniforms(params.seed, DRAFT_STREAM, positions)), q
+    uniforms = keyed_uniforms(params.seed, DRAFT_STREAM, positions)
+    scored = scored_columns(logits)
+    if scored is None:
+        q = draft_distribution(logits, params, saguaro)
+        return sample_from(q, uniforms), q
+    # a draft that scores part of the vocabulary: its distribution over those tokens alone,
+    # in the vocabulary's order, then spread (q = 0 elsewhere, as the whole row gives it):
+    # top-p over all 49,152 columns of SmolLM2's head, most of them a constant UNSCORED,
+    # had been half of sampled pre-speculation's time
+    q_scored = draft_distribution(logits[..., scored], params, saguaro)
+    q = torch.zeros(logits.shape, dtype=q_scored.dtype).index_copy_(-1, scored, q_scored)
+    return scored[sample_from(q_scored, uniforms)], q
+
+
+def scored_columns(logits: torch.Tensor) -> torch.Tensor | None:
+    """The columns a draft scores (ascending), where its logits leave some at `UNSCORED`
+    (a reduced vocabulary, `llama.UNSCORED`); None when it scores every token."""
+    scored = logits.reshape(-1, logits.shape[-1])[0] > UNSCORED
+    return None if bool(scored.all()) else torch.nonzero(scored).flatten()
 
 
 # Counter-based randomness: the uniform a sampling decision uses is a pure function of
