@@ -14,9 +14,8 @@ from saguaro.modelmaker.draft_prompts import HELD_OUT_SUBJECTS, SUBJECTS, prompt
 from saguaro.modelmaker.draft_training import Sequence
 from saguaro.modelmaker.train import TrainSettings
 from saguaro.runtime.core.options import DecodeOptions
-from saguaro.runtime.core.sampling import SamplingParams
+from saguaro.runtime.core.sampling import UNSCORED, SamplingParams
 from saguaro.runtime.models.checkpoint import DRAFT_REPORT, acceptance_by_depth, load_tokenizer
-from saguaro.runtime.models.llama import UNSCORED
 from saguaro.runtime.models.prompts import CHAT_PROMPTS
 from saguaro.runtime.pipeline import Pipeline
 

@@ -23,12 +23,11 @@ from saguaro.compiler.builder import build_engines
 from saguaro.compiler.config import BuildConfig, ConfigError
 from saguaro.runtime.core.contracts import Step, VerifyStep
 from saguaro.runtime.core.options import DecodeOptions
-from saguaro.runtime.core.sampling import SamplingParams
+from saguaro.runtime.core.sampling import UNSCORED, SamplingParams
 from saguaro.runtime.engines import load_engine_pair
 from saguaro.runtime.engines.onnxruntime_engine import OnnxRuntimeEngine, OnnxRuntimeFeatureDraft
 from saguaro.runtime.engines.torch_engine import TorchEngine, TorchFeatureDraft
 from saguaro.runtime.models.checkpoint import load_checkpoint
-from saguaro.runtime.models.llama import UNSCORED
 from saguaro.runtime.pipeline import Pipeline
 
 ATOL = 1e-4

@@ -15,12 +15,12 @@ from saguaro.runtime.core.sampling import (
     ACCEPT_STREAM,
     BONUS_STREAM,
     DRAFT_STREAM,
+    UNSCORED,
     SamplingParams,
     keyed_uniforms,
     pick_tokens,
 )
 from saguaro.runtime.models.checkpoint import CheckpointError
-from saguaro.runtime.models.llama import UNSCORED
 from saguaro.runtime.pipeline import Pipeline, RequestError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from saguaro.plugins.probs import is_greedy, logits_to_probs, saguaro_rescale, sample_from
-from saguaro.runtime.models.llama import UNSCORED
+
+UNSCORED = -1e9  # the logit of a token outside a draft's output vocabulary: probability 0
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def pick_tokens(logits: torch.Tensor, params: SamplingParams, saguaro: SaguaroSa
 
 def scored_columns(logits: torch.Tensor) -> torch.Tensor | None:
     """The columns a draft scores (ascending), where its logits leave some at `UNSCORED`
-    (a reduced vocabulary, `llama.UNSCORED`); None when it scores every token."""
+    (a reduced vocabulary); None when it scores every token."""
     scored = logits.reshape(-1, logits.shape[-1])[0] > UNSCORED
     return None if bool(scored.all()) else torch.nonzero(scored).flatten()
 

@@ -42,7 +42,7 @@ from saguaro.runtime.engines.batching import PackedBatch, pack_steps
 from saguaro.runtime.engines.manifest import engine_info, is_feature_draft
 from saguaro.runtime.engines.kv_cache import KVPool, PooledCache
 from saguaro.runtime.core.logprobs import verify_result
-from saguaro.runtime.models.llama import UNSCORED
+from saguaro.runtime.core.sampling import UNSCORED
 
 ALONE_THREADS = 2  # intra-op threads of a model running with the other model idle: both cores
 

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from saguaro.runtime.core.sampling import UNSCORED
+
 
 @dataclass(frozen=True)
 class LlamaShape:
@@ -229,9 +231,6 @@ class Features:
 
     def joined(self) -> torch.Tensor | None:
         return torch.cat([self.taken[layer] for layer in self.layers], dim=-1) if self.layers else None
-
-
-UNSCORED = -1e9  # the logit of a token outside a draft's output vocabulary: probability 0
 
 
 class Llama(nn.Module):
