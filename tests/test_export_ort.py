@@ -297,7 +297,9 @@ def test_per_token_int8_computes_what_it_promises():
     """w8a8: each row quantised by its own largest magnitude (round half to even, uint8
     around 128), the weight by each column's, integer sums scaled back: the graph's result
     equals that computed in numpy to float rounding, and is close to the fp32 product."""
-    from saguaro.compiler.fused_export import GraphWriter, finished_model, per_token_int8
+    from saguaro.compiler.fused_export import finished_model
+    from saguaro.compiler.graph_writer import GraphWriter
+    from saguaro.compiler.quantization import per_token_int8
 
     generator = np.random.default_rng(0)
     weight = generator.standard_normal((48, 24)).astype(np.float32)

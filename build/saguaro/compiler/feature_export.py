@@ -17,7 +17,7 @@ token at p, the feature of p - 1) and one layer of past K/V -> logits [B, S,
 draft_vocab_size] float32 (the metadata's `SCORED_TOKENS_KEY` names each row's token),
 `hidden_out` [B, S, hidden] float32, present_key.0, present_value.0. `project`: `features`
 [N, feature_width] float32 -> `projected` [N, hidden] float32. Both graphs are quantised
-as the models' are (`fused_export.quantize`: int8 / int4 MatMulNBits, w8a8 MatMulInteger).
+as the models' are (`quantization.quantize`: int8 / int4 MatMulNBits, w8a8 MatMulInteger).
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ import onnx
 from onnx import TensorProto, helper
 
 from saguaro.compiler.fused_export import (
-    GraphWriter,
     attention,
     attention_bias,
     attention_inputs,
@@ -38,7 +37,6 @@ from saguaro.compiler.fused_export import (
     lm_head,
     logits_output,
     mlp,
-    quantize,
     rope_caches,
     save_model,
     scored_rows,
@@ -46,6 +44,8 @@ from saguaro.compiler.fused_export import (
     weight_constant,
     with_scored_tokens,
 )
+from saguaro.compiler.graph_writer import GraphWriter
+from saguaro.compiler.quantization import quantize
 from saguaro.runtime.models.feature_head import FeatureHead
 from saguaro.runtime.models.llama import LlamaShape
 

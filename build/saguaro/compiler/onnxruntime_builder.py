@@ -16,7 +16,7 @@ from pathlib import Path
 
 import onnx
 
-from saguaro.compiler import export, feature_export, fused_export, smoothing
+from saguaro.compiler import export, feature_export, fused_export, quantization, smoothing
 from saguaro.plugins.fused_verify import onnx_function as fused_verify_onnx
 from saguaro.runtime.engines.onnxruntime_engine import SessionSettings, open_session
 from saguaro.runtime.models.checkpoint import read_state_dict
@@ -39,7 +39,7 @@ def export_role(config, role: str, shape, checkpoint: Path, folder: Path,
     for a feature draft (`fused_export`'s `hidden_states` output)."""
     folder.mkdir(parents=True, exist_ok=True)
     state = read_state_dict(checkpoint)
-    if config.precision == fused_export.PER_TOKEN_INT8:
+    if config.precision == quantization.PER_TOKEN_INT8:
         state = smoothing.smoothed_state(shape, state, checkpoint)
     paths = {"model": fused_export.export_model(shape, state, folder / "model.onnx",
                                                 config.precision, rope_positions(config), feature_layers)}

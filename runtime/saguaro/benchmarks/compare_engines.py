@@ -25,8 +25,11 @@ from pathlib import Path
 
 import torch
 
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.engines import load_engine_pair
-from saguaro.runtime.models.prompts import CHAT_PROMPTS, PROMPTS, encode_chat, encode_text, has_chat_template
+from saguaro.runtime.models.prompts import CHAT_PROMPTS, PROMPTS, has_chat_template
+from saguaro.runtime.pipeline import Pipeline
 
 FORWARDS = [("target decode(1)", 0, 1), ("target verify(5)", 0, 5), ("draft decode(1)", 1, 1),
             ("draft tree(8)", 1, 8)]
@@ -70,18 +73,6 @@ def compare(folders: list[Path], repeats: int, context: int) -> list[tuple[str, 
     return rows
 
 
-def greedy_answer(engine, prompt: list[int], tokens: int) -> list[int]:
-    """`prompt` and the engine's greedy continuation, decoded a token at a time."""
-    cache = engine.new_cache(len(prompt) + tokens + 1)
-    ids = list(prompt)
-    logits = engine.forward(cache, torch.tensor(ids), torch.arange(len(ids)))
-    for _ in range(tokens):
-        ids.append(int(logits[-1].argmax()))
-        logits = engine.forward(cache, torch.tensor(ids[-1:]), torch.tensor([len(ids) - 1]))
-    cache.release()
-    return ids
-
-
 def read_logits(engine, ids: list[int]) -> torch.Tensor:
     """Every position's logits for `ids`, one forward."""
     cache = engine.new_cache(len(ids) + 1)
@@ -90,25 +81,24 @@ def read_logits(engine, ids: list[int]) -> torch.Tensor:
     return logits
 
 
-def benchmark_prompts(tokenizer) -> list[list[int]]:
-    if has_chat_template(tokenizer):
-        return [encode_chat(tokenizer, [{"role": "user", "content": text}]) for text in CHAT_PROMPTS]
-    return [encode_text(tokenizer, text) for text in PROMPTS]
-
-
 def agreement(folders: list[Path], tokens: int) -> tuple[float, float, int]:
     """(top-1 agreement, mean KL(first || second), positions) over the first target's
     greedy answers to the benchmark prompts."""
-    first, second = (load_engine_pair(folder, 1, 1)[0] for folder in folders)
+    pipeline = Pipeline.load(engines=folders[0])
+    second = load_engine_pair(folders[1], 1, 1)[0]
+    chat = has_chat_template(pipeline.tokenizer)
+    answering = DecodeOptions(mode="autoregressive", max_tokens=tokens, eos_token_id=-1)  # every answer `tokens` long
     agreeing, divergence, positions = 0, 0.0, 0
-    for prompt in benchmark_prompts(first.tokenizer):
-        ids = greedy_answer(first, prompt, tokens)
+    for text in CHAT_PROMPTS if chat else PROMPTS:
+        prompt = pipeline.encode_chat(text) if chat else pipeline.encode(text)
+        ids = prompt + pipeline.generate(prompt, answering, SamplingParams()).output_ids
         # the positions that predict the answer's tokens
-        reference, other = (read_logits(engine, ids)[len(prompt) - 1:-1] for engine in (first, second))
+        reference, other = (read_logits(engine, ids)[len(prompt) - 1:-1] for engine in (pipeline.target, second))
         agreeing += int((reference.argmax(-1) == other.argmax(-1)).sum())
         p, q = torch.log_softmax(reference, -1), torch.log_softmax(other, -1)
         divergence += float((p.exp() * (p - q)).sum())
         positions += len(reference)
+    pipeline.close()
     return agreeing / positions, divergence / positions, positions
 
 

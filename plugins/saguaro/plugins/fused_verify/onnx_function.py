@@ -94,10 +94,15 @@ def if_else(g: GraphBody, condition: str, then_body: GraphBody, then_out: str,
                 else_branch=other.graph(other.prefix + "graph", [(other.prefix + "out", element_type)]))
 
 
-def top_k_filter(g: GraphBody, scaled: str, top_k: str, vocab: str) -> str:
-    """Mask logits below the k-th largest with -inf when 0 < top_k < V."""
+def filters_on(g: GraphBody, top_k: str, top_p: str, vocab: str) -> tuple[str, str]:
+    """Bool scalars: top-k filters (0 < top_k < V), top-p filters (top_p < 1)."""
     vocab_scalar = g.op("Squeeze", vocab, g.const([0], np.int64))
-    active = g.op("And", g.op("Greater", top_k, g.const(0, np.int64)), g.op("Less", top_k, vocab_scalar))
+    top_k_on = g.op("And", g.op("Greater", top_k, g.const(0, np.int64)), g.op("Less", top_k, vocab_scalar))
+    return top_k_on, g.op("Less", top_p, g.const(1.0))
+
+
+def top_k_filter(g: GraphBody, scaled: str, top_k: str, active: str) -> str:
+    """Mask logits below the k-th largest with -inf when `active` (0 < top_k < V)."""
     body = GraphBody(g.prefix + "topk_", g.opset)
     k = body.op("Reshape", top_k, body.const([1], np.int64))
     largest, _ = body.op("TopK", scaled, k, outputs=2, axis=-1)
@@ -107,10 +112,9 @@ def top_k_filter(g: GraphBody, scaled: str, top_k: str, vocab: str) -> str:
     return if_else(g, active, body, masked, scaled, TensorProto.FLOAT)
 
 
-def top_p_filter(g: GraphBody, probs: str, top_p: str, vocab: str) -> str:
-    """Nucleus filter: keep the smallest prefix (by probability) whose mass reaches top_p,
-    sorting only the head of each row (`probs.top_p_filter`)."""
-    active = g.op("Less", top_p, g.const(1.0))
+def top_p_filter(g: GraphBody, probs: str, top_p: str, vocab: str, active: str) -> str:
+    """Nucleus filter when `active` (top_p < 1): keep the smallest prefix (by probability)
+    whose mass reaches top_p, sorting only the head of each row (`probs.top_p_filter`)."""
     body = GraphBody(g.prefix + "topp_", g.opset)
     filtered = nucleus(body, probs, top_p, vocab, NUCLEUS_WIDTHS)
     return if_else(g, active, body, filtered, probs, TensorProto.FLOAT)
@@ -135,12 +139,14 @@ def nucleus(g: GraphBody, probs: str, top_p: str, vocab: str, widths: tuple[int,
     return if_else(g, short, wider, nucleus(wider, probs, top_p, vocab, widths[1:]), filtered, TensorProto.FLOAT)
 
 
-def logits_to_probs(g: GraphBody, logits: str, temperature: str, top_k: str, top_p: str) -> str:
-    """`plugins.probs.logits_to_probs`: temperature, then top-k, then top-p."""
+def logits_to_probs(g: GraphBody, logits: str, temperature: str, top_k: str, top_p: str) -> tuple[str, str]:
+    """`plugins.probs.logits_to_probs`: temperature, then top-k, then top-p; and a bool
+    scalar, whether either filter ran (the rows' mass then lies on few tokens)."""
     vocab = vocab_size(g, logits)
-    scaled = top_k_filter(g, g.op("Div", logits, temperature), top_k, vocab)
+    top_k_on, top_p_on = filters_on(g, top_k, top_p, vocab)
+    scaled = top_k_filter(g, g.op("Div", logits, temperature), top_k, top_k_on)
     probs = g.op("Softmax", scaled, axis=-1)
-    return top_p_filter(g, probs, top_p, vocab)
+    return top_p_filter(g, probs, top_p, vocab, top_p_on), g.op("Or", top_k_on, top_p_on)
 
 
 def sample_from(g: GraphBody, row: str, uniform: str, vocab: str, filtered: str) -> str:
@@ -206,7 +212,7 @@ def residual_row(g: GraphBody, probs: str, draft_probs: str, vocab: str, accepte
 def sampling_branch(opset: int, logits: str, draft_count: str) -> onnx.GraphProto:
     """Leviathan et al.: accept d_j when u_j * q_j(d_j) < p_j(d_j); bonus from the residual."""
     g = GraphBody("sampling_", opset)
-    probs = logits_to_probs(g, logits, "temperature", "top_k", "top_p")
+    probs, filtered = logits_to_probs(g, logits, "temperature", "top_k", "top_p")
     vocab = vocab_size(g, probs)
     draft_probs = g.op("Cast", "draft_probs", to=TensorProto.FLOAT)
     draft_index = g.op("Unsqueeze", "draft_tokens", g.const([1], np.int64))
@@ -218,9 +224,6 @@ def sampling_branch(opset: int, logits: str, draft_count: str) -> onnx.GraphProt
     u_bonus = g.op("Gather", "uniforms", g.op("Squeeze", draft_count, g.const([0], np.int64)), axis=0)
     row = residual_row(g, probs, draft_probs, vocab, accepted)
     g.op("Identity", accepted, outputs=["sampling_accepted"])
-    vocab_scalar = g.op("Squeeze", vocab, g.const([0], np.int64))
-    top_k_on = g.op("And", g.op("Greater", "top_k", g.const(0, np.int64)), g.op("Less", "top_k", vocab_scalar))
-    filtered = g.op("Or", top_k_on, g.op("Less", "top_p", g.const(1.0)))
     g.op("Identity", sample_from(g, row, u_bonus, vocab, filtered), outputs=["sampling_bonus"])
     return g.graph("sampling", [("sampling_accepted", TensorProto.INT64), ("sampling_bonus", TensorProto.INT64)])
 
