@@ -486,12 +486,13 @@ class Disagreeing:
 
 def with_costs_by_hand(pipeline: Pipeline) -> Pipeline:
     """The decoder's policy on the costs of the tests above, held (no calibration, no
-    following, no correction, probes at their period), so that its choices depend on the
-    acceptance the real rounds show only."""
+    following, no correction, no clock, probes at their period), so that its choices depend
+    on the acceptance the real rounds show only."""
     policy = pipeline.schedulers[0].decoder.load_policy
     policy.verify_cost, policy.draft_cost = measured(0.004, 0.0003), measured(0.0003, 0.00002)
     policy.tree_cost, policy.alone_cost = policy.draft_cost, policy.verify_cost
-    for name in ("observe_verify", "observe_drafting", "observe_prespeculation", "observe_host", "observe_probe"):
+    for name in ("observe_verify", "observe_drafting", "observe_prespeculation", "observe_host", "observe_probe",
+                 "observe_period"):
         setattr(policy, name, lambda *args, **kwargs: None)
     for correction in policy.misprediction.values():
         correction.observe = lambda *args, **kwargs: None

@@ -45,7 +45,11 @@ periods, and is never so short that the probes' measured cost passes `PROBE_SHAR
 rounds' time); a probe whose drafts were all accepted is followed by another, so that a draft
 that got better is seen within a few rounds, and speculation comes back as soon as the
 estimate says it pays. Rounds that verify no drafts fade no counts, so the estimate stays
-what the last drafts showed rather than drifting back to the optimistic prior.
+what the last drafts showed rather than drifting back to the optimistic prior. And the
+model's choice is checked by the clock (`control.clock`): where the rounds that drafted
+committed fewer tokens per second of wall time, start to start, than the rounds that did
+not at the same batch size, the requests that adapt draft nothing there for a while,
+whatever the model says (it cannot see the time between rounds).
 
 Acceptance by depth and the cache-hit rate are shared by every request of the same kind
 (greedy or sampled), so a new request starts from what the others showed, and are
@@ -73,6 +77,7 @@ from dataclasses import dataclass, field, replace
 
 from saguaro.runtime.control.acceptance import UNSEEN_ACCEPTANCE, UNSEEN_HIT_RATE, Acceptance
 from saguaro.runtime.control.calibration import measure_calibration
+from saguaro.runtime.control.clock import ClockCheck
 from saguaro.runtime.control.costs import FOLLOWING, MOST_BRANCHES, CostCurve, LinearCost, Misprediction, hidden_branches
 
 SHARED_FADING = 0.995             # of the acceptance counts shared by all requests (per round with drafts)
@@ -176,6 +181,11 @@ class LoadPolicy:
         self.probe_cost: float | None = None  # what a probe added to its round, measured (fading)
         self.probe_spacing = PROBE_PERIOD     # rounds between probes that keeps them within PROBE_SHARE
         self.shared = {greedy: Acceptance(fading=SHARED_FADING) for greedy in (True, False)}
+        # committed tokens per second of wall time, drafting or not (`control.clock`), which
+        # overrules the model where drafting measured slower; and what it hears of a round
+        self.clock = ClockCheck()
+        self._clock_kind: bool | None = None  # this round drafts (as the clock counts it); None: not its to check
+        self._clocked_round: tuple[int, bool, int] | None = None  # the last round: requests, kind, tokens
         self._engines = (target, draft)
         self.measured_acceptance = draft.info.acceptance if draft is not None else ()
 
@@ -191,12 +201,23 @@ class LoadPolicy:
             if sequence.hit is not None:
                 self.record_lookup(sequence.acceptance, sequence.greedy, sequence.hit)
         self.observe_host(report.requests, report.host_s, report.drafted)
+        self._clocked_round = None
+        if self._clock_kind is not None:
+            committed = sum(sequence.accepted + 1 for sequence in report.sequences)
+            self._clocked_round = (report.requests, self._clock_kind, committed)
         whole = report.verify_s + report.wait_s + report.draft_s + report.host_s
         if self._modelled is not None and report.drafted:  # checked against its price
             modelled, undrafted, speculating = self._modelled
             self.misprediction[speculating].observe(report.requests, whole - undrafted, modelled - undrafted)
         if self._probe_priced is not None:
             self.observe_probe(whole - self._probe_priced, self._probe_priced)
+
+    def observe_period(self, seconds: float) -> None:
+        """The last round's period, from its start to the next round's (`Decoder`), for the
+        clock; not called for a period in which requests joined."""
+        if self._clocked_round is not None:
+            self.clock.observe(*self._clocked_round, seconds)
+            self._clocked_round = None
 
     def observe_probe(self, added_s: float, round_s: float) -> None:
         """A probe added `added_s` to a round the model priced at `round_s` without it:
@@ -260,12 +281,14 @@ class LoadPolicy:
     def choose(self, batch) -> list[Plan]:
         """The plan of each `batch` entry (a `decoding.Sequence`: its `k`, `adapts`,
         `steered`, `acceptance`, `greedy`, `prespeculating`, `room`, `draft_lag` and last `plan`)."""
-        self._modelled = self._probe_priced = None
+        self._modelled = self._probe_priced = self._clock_kind = None
         if not any(sequence.adapts or sequence.steered for sequence in batch):
             return [Plan(most_drafts(s), s.prespeculating) for s in batch]  # as each asked
         if self._quiet_holds(batch):
+            self._clock_kind = False
             return self._quiet_plans(batch)
         candidates, ks = self._chosen(batch, [self._candidate(sequence) for sequence in batch])
+        ks = self._clocked(candidates, ks)
         if any(ks):  # the choice drafts (a probe's round is priced apart): its price is checked
             self._modelled = (self._modelled_seconds(candidates, ks), self._modelled_seconds(candidates, [0] * len(ks)),
                               prespeculates(candidates, ks))
@@ -279,6 +302,17 @@ class LoadPolicy:
         if any(plan.probe for plan in plans):
             self._probe_priced = self._round_seconds(candidates, ks)
         return plans
+
+    def _clocked(self, candidates: list["_Candidate"], ks: list[int]) -> list[int]:
+        """The model's choice, unless the clock says drafting at this batch size commits
+        fewer tokens per second than drafting nothing, or this round measures drafting
+        nothing (`ClockCheck.allows`): then the requests that adapt draft nothing (their
+        probes aside, which belong to speculation off)."""
+        adapting = [c.adapts and k > 0 for c, k in zip(candidates, ks)]
+        self._clock_kind = any(adapting) and self.clock.allows(len(ks))
+        if any(adapting) and not self._clock_kind:
+            return [0 if adapts else k for adapts, k in zip(adapting, ks)]
+        return ks
 
     def _quiet_holds(self, batch) -> bool:
         """Speculation was turned off for every request and no K could pay at that load

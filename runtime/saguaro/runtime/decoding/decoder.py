@@ -248,6 +248,7 @@ class Decoder:
         self.target, self.draft, self.alone = target, draft, alone
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="draft")
         self.load_policy = LoadPolicy(target, draft, alone)
+        self._round_started: float | None = None  # the last round's start, unless requests joined since
         if alone and not isinstance(target, RequestTarget):  # a request target decodes on its own
             # the target's wide session opened at load (SmolLM2 int8: 0.24 s), not in the
             # first request's time to first token
@@ -264,6 +265,7 @@ class Decoder:
         if any(request.options.steered for request in requests):
             self.load_policy.calibrate()
         sequences = [Sequence(request, self.target, self.draft) for request in requests]
+        self._round_started = None  # the period until the next round holds this prefill: no round's own
         prefilled = [(s, step) for s in sequences if (step := s.verifier.prefill(s.request.prompt_ids))]
         with stopwatch() as prefilling, self.target.run_alone() if self.alone else nullcontext():
             rows = self.target.forward_rows([step for _, step in prefilled]) if prefilled else []
@@ -276,7 +278,11 @@ class Decoder:
     def decode_round(self, batch: list[Sequence]) -> None:
         """One round for every sequence of the batch (docs/design.md section 1), timed: what
         the forwards and waits leave over is the round's host work. The load policy gets
-        the round's report."""
+        the round's report, and the last round's period (from its start to this one's)."""
+        started = time.perf_counter()
+        if self._round_started is not None:
+            self.load_policy.observe_period(started - self._round_started)
+        self._round_started = started
         with stopwatch() as whole:
             report = self._round(batch)
         report.host_s = whole.seconds - report.verify_s - report.wait_s - report.draft_s

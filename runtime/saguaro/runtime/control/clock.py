@@ -1,0 +1,109 @@
+"""Speculation checked by the clock: committed tokens per second of wall time, for the
+rounds the load policy let draft and the rounds it did not, by batch size.
+
+The policy's model prices a round from measured curves (verification, draft steps, host
+work), and a drafting round's own price is checked against what the round took
+(`costs.Misprediction`). What neither sees is the time between rounds: the scheduler's
+joins and leaves, the server's threads that detokenise and send each response, whatever
+holds the interpreter while a round waits to start. Through the server at 4 streams (the
+bench pair, w8a8) the model chose K = 1-2 in most rounds and SSD ran at 0.93-0.94x
+batched autoregressive decoding; in one process the same engines drafted in 3-7% of
+rounds. So a round's period is measured from its start to the next round's start (a
+period in which requests joined is left out: its prefill belongs to neither kind), and
+where the rounds that drafted committed fewer tokens per second than the rounds that
+did not, at the same batch size, speculation is turned off there for `VETO_ROUNDS`
+rounds; then the model's choice runs again for `RETRY_ROUNDS`, so that drafting is
+measured afresh. While drafting, one round in `UNDRAFTED_EVERY` at a batch size drafts
+nothing, so that the other side of the comparison stays measured too (on the bench pair
+at one stream, where SSD runs at 1.2x, that round costs about half a percent); one in
+`UNMEASURED_EVERY` until it is measured there (once drafting is), so that the clock can
+judge within the first hundred rounds at a batch size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CLOCK_FADING = 0.97    # weight of the earlier rounds of a kind after each new one
+CLOCK_MEASURED = 8.0   # rounds of each kind (fading) before the clock overrules the model
+UNDRAFTED_EVERY = 32   # while drafting at a batch size, one round in this many drafts nothing ...
+UNMEASURED_EVERY = 4   # ... one in this many until speculation off is measured there
+VETO_ROUNDS = 256      # rounds speculation stays off at a batch size where it measured slower ...
+RETRY_ROUNDS = 16      # ... before the model's choice is measured again for this many
+
+
+@dataclass
+class Rate:
+    """Committed tokens over seconds of the rounds of one kind, older rounds fading."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    rounds: float = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.tokens = CLOCK_FADING * self.tokens + tokens
+        self.seconds = CLOCK_FADING * self.seconds + seconds
+        self.rounds = CLOCK_FADING * self.rounds + 1
+
+    @property
+    def measured(self) -> bool:
+        return self.rounds >= CLOCK_MEASURED and self.seconds > 0
+
+    @property
+    def per_second(self) -> float:
+        return self.tokens / self.seconds
+
+
+@dataclass
+class SizeClock:
+    """The rounds of one batch size: both kinds' rates and where the check stands."""
+
+    drafting: Rate = field(default_factory=Rate)
+    undrafted: Rate = field(default_factory=Rate)
+    drafting_rounds: int = 0  # rounds let draft since the last one that measured speculation off
+    vetoed: int = 0           # rounds speculation stays off
+    retrying: int = 0         # rounds the model's choice runs again, measured
+
+    @property
+    def losing(self) -> bool:
+        """Drafting measured slower than drafting nothing, both measured enough."""
+        return (self.drafting.measured and self.undrafted.measured
+                and self.drafting.per_second < self.undrafted.per_second)
+
+    def allows(self) -> bool:
+        if self.retrying:
+            self.retrying -= 1
+            return True
+        if self.vetoed:
+            self.vetoed -= 1
+            self.retrying = 0 if self.vetoed else RETRY_ROUNDS
+            return False
+        if self.losing:
+            self.vetoed = VETO_ROUNDS - 1
+            return False
+        self.drafting_rounds += 1
+        if not self.drafting.measured:  # nothing to compare yet (nor ever, where no period is reported)
+            return True
+        if self.drafting_rounds >= (UNDRAFTED_EVERY if self.undrafted.measured else UNMEASURED_EVERY):
+            self.drafting_rounds = 0
+            return False
+        return True
+
+
+class ClockCheck:
+    """The load policy asks `allows(requests)` of each round its model chose to draft in,
+    and hears each round's committed tokens and period (`observe`)."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[int, SizeClock] = {}
+
+    def allows(self, requests: int) -> bool:
+        """Whether a round of `requests` may draft as the model chose."""
+        return self.sizes.setdefault(requests, SizeClock()).allows()
+
+    def observe(self, requests: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A round of `requests` that drafted (or not) committed `tokens` in `seconds`,
+        from its start to the next round's."""
+        if seconds <= 0:
+            return
+        size = self.sizes.setdefault(requests, SizeClock())
+        (size.drafting if drafted else size.undrafted).observe(tokens, seconds)
