@@ -3,6 +3,7 @@ training-time-test steps against the head's runtime form, the round replay, and 
 training on the tiny pair that must raise held-out agreement."""
 import dataclasses
 import json
+import time
 
 import pytest
 import torch
@@ -43,6 +44,19 @@ def answers(target):
     held_out = collect_answers(target.model, encoded_prompts(target.tokenizer, TINY, True), TINY.new_tokens, 8,
                                target.eos_token_ids, 1, LAYERS)
     return train, held_out
+
+
+def test_answers_start_no_batch_past_their_deadline_but_the_first(target):
+    """A bounded run's training answers stop at their share of its time, so that training
+    keeps the rest (on a machine four times slower the quick preset's answers had taken
+    all of its budget)."""
+    prompts = encoded_prompts(target.tokenizer, TINY, False)[:12]
+    late = collect_answers(target.model, prompts, TINY.new_tokens, 4, target.eos_token_ids, 4, LAYERS,
+                           until=time.monotonic() - 1.0)
+    assert len(late) == 4
+    timely = collect_answers(target.model, prompts, TINY.new_tokens, 4, target.eos_token_ids, 4, LAYERS,
+                             until=time.monotonic() + 600.0)
+    assert len(timely) == 12 and [a.ids for a in timely[:4]] == [a.ids for a in late]
 
 
 def test_batched_collection_is_greedy_decoding_one_at_a_time(target, answers):

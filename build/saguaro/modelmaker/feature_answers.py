@@ -12,6 +12,7 @@ Run in the model's own dtype: bfloat16 where the CPU has fast bf16 kernels
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,11 +49,17 @@ def fast_bfloat16() -> bool:
 
 @torch.no_grad()
 def collect_answers(model: Llama, prompts: list[list[int]], new_tokens: int, batch: int, stop_ids: tuple[int, ...],
-                    soft_top: int, feature_layers: tuple[int, ...], progress: bool = False) -> list[Answer]:
+                    soft_top: int, feature_layers: tuple[int, ...], progress: bool = False,
+                    until: float | None = None) -> list[Answer]:
     """Greedy answers to `prompts` (token ids) in batches of `batch` sequences, in the
-    model's own dtype; rows that have stopped leave the batch."""
-    answers = []
+    model's own dtype; rows that have stopped leave the batch. `until` (`time.monotonic()`):
+    no batch starts after it, the first one aside."""
+    answers: list[Answer] = []
     for first in range(0, len(prompts), batch):
+        if answers and until is not None and time.monotonic() >= until:
+            if progress:
+                print(f"  stopped at {len(answers)} answers: their share of the run's time is up", flush=True)
+            break
         answers += answer_batch(model, prompts[first:first + batch], new_tokens, stop_ids, soft_top, feature_layers)
         if progress:
             print(f"  target answered {len(answers)}/{len(prompts)} prompts", flush=True)

@@ -301,11 +301,11 @@ def make_feature_draft(target_dir: str | Path, out: str | Path,
     layers = tuple(feature_layers or default_feature_layers(checkpoint.shape.num_layers))
     Features(layers, checkpoint.shape.num_layers)  # refuses layers outside the target's, before any work
     seconds: dict[str, float] = {}
-    deadline = run_deadline(settings)
+    deadline, answers_until = run_deadline(settings), answers_deadline(settings)
     bf16 = fast_bfloat16()
     with pinned_torch(settings.threads):
         torch.manual_seed(settings.seed)
-        train, held_out = target_answers(checkpoint, settings, layers, bf16, progress, seconds)
+        train, held_out = target_answers(checkpoint, settings, layers, bf16, progress, seconds, answers_until)
         vocab_ids = draft_vocabulary(train, settings.draft_vocab_size, checkpoint.shape.vocab_size,
                                      checkpoint.eos_token_ids)
         head = initial_head(checkpoint.model, layers, vocab_ids, settings.seed)
@@ -338,6 +338,12 @@ def make_feature_draft(target_dir: str | Path, out: str | Path,
 
 
 REPORT_RESERVE_S = 12.0  # the held-out report and saving after training (5 s on the full preset), and the imports before
+# The training answers' share of a bounded run: no batch of them starts after it, so that
+# training keeps the rest. On 2 cores they take less (the quick preset about 40%, the full
+# one 11-16 of 29 minutes); on a machine four times slower the quick preset's 192 answers
+# had taken 344 s of its 2.9 minutes' budget, and left training 11 steps (a step trains on
+# 4 answers: answers no step reaches teach nothing).
+ANSWERS_SHARE = 0.6
 
 
 def run_deadline(settings: FeatureDraftSettings) -> float | None:
@@ -347,8 +353,15 @@ def run_deadline(settings: FeatureDraftSettings) -> float | None:
     return time.monotonic() + 60 * settings.minutes - REPORT_RESERVE_S
 
 
+def answers_deadline(settings: FeatureDraftSettings) -> float | None:
+    """When the last batch of training answers may start (`time.monotonic()`)."""
+    if settings.minutes is None:
+        return None
+    return time.monotonic() + 60 * settings.minutes * ANSWERS_SHARE
+
+
 def target_answers(checkpoint, settings: FeatureDraftSettings, layers: tuple[int, ...], bf16: bool,
-                   progress: bool, seconds: dict) -> tuple[list[Answer], list[Answer]]:
+                   progress: bool, seconds: dict, until: float | None = None) -> tuple[list[Answer], list[Answer]]:
     """Training answers in bf16 when fast (features stored in it), held-out ones in fp32."""
     stops = checkpoint.eos_token_ids
     collector = copy.deepcopy(checkpoint.model).to(torch.bfloat16) if bf16 else checkpoint.model
@@ -356,7 +369,8 @@ def target_answers(checkpoint, settings: FeatureDraftSettings, layers: tuple[int
     say(progress, f"target answering {settings.train_prompts} training prompts ({settings.new_tokens} tokens, "
                   f"batches of {settings.generation_batch}, {'bf16' if bf16 else 'fp32'})")
     train = collect_answers(collector, encoded_prompts(checkpoint.tokenizer, settings, False),
-                            settings.new_tokens, settings.generation_batch, stops, settings.soft_top, layers, progress)
+                            settings.new_tokens, settings.generation_batch, stops, settings.soft_top, layers, progress,
+                            until)
     del collector
     seconds["target_answers"] = time.perf_counter() - mark
     mark = time.perf_counter()
