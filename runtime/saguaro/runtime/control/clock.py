@@ -70,6 +70,9 @@ class SizeClock:
                 and self.drafting.per_second < self.undrafted.per_second)
 
     def allows(self) -> bool:
+        """Whether this round, one its model chose to draft in, may: not while a veto holds,
+        nor where drafting measured slower (a veto starts), nor in a round that measures
+        speculation off."""
         if self.retrying:
             self.retrying -= 1
             return True
