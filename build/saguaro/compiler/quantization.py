@@ -2,7 +2,7 @@
 
 - int8 / int4: ONNX Runtime's blockwise weight-only MatMulNBits (block 32, accuracy level
   4: int8 activations per block, the only setting that stays fast for more than one row);
-- w8a8: MatMulInteger over int8 weights (a scale per output channel) and activations
+- w8a8: MatMulInteger over 8-bit weights (a scale per output channel) and activations
   quantised per token as the graph runs (`per_token_int8`).
 """
 from __future__ import annotations
@@ -53,10 +53,11 @@ def quantize(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
 
 
 def per_token_int8(model: onnx.ModelProto) -> onnx.ModelProto:
-    """W8A8: each constant-weight MatMul as MatMulInteger over int8 weights (symmetric, a
-    scale per output channel) and activations quantised per token (per row: its largest
-    magnitude maps to 127) as the graph runs, then scaled back to float. MLAS's u8 x s8
-    kernel is 1.7x MatMulNBits' speed at 5 rows and 2x at 16 (equal at one), and its sums
+    """W8A8: each constant-weight MatMul as MatMulInteger over 8-bit weights (symmetric, a
+    scale per output channel, stored as uint8 around 128: `integer_matmul`) and activations
+    quantised per token (per row: its largest magnitude maps to 127) as the graph runs,
+    then scaled back to float. MLAS's integer kernel (u8 x s8, on an AVX-512 VNNI machine)
+    measured 1.7x MatMulNBits' speed at 5 rows and 2x at 16 (equal at one), and its sums
     are integers, exact whatever their order, so a row's result never depends on the other
     rows of its forward. Each input is quantised once, however many MatMuls read it."""
     graph = model.graph
@@ -100,12 +101,19 @@ def token_quantised(g: GraphWriter, x: str, width: int) -> tuple[str, str]:
 
 
 def integer_matmul(g: GraphWriter, rows: str, row_scale: str, weight: np.ndarray, name: str, out: str) -> None:
-    """`out` = rows (uint8, zero point 128) x `weight` `[in, out]` quantised per column."""
+    """`out` = rows (uint8, zero point 128) x `weight` `[in, out]` quantised per column to
+    -127..127, stored as uint8 around 128 too. Not int8: MLAS's u8 x s8 kernel on x86 CPUs
+    without VNNI (AVX2: `vpmaddubsw`) adds pairs of products in 16 bits and saturates (255 x
+    127 twice passes 32767): on a Zen 1 EPYC almost every sum of a 576 x 1536 product came
+    out wrong. Its u8 x u8 kernel widens first and is exact on every CPU (there 1.1-1.4x
+    the u8 x s8 time)."""
     column_scale = np.abs(weight).max(axis=0) / 127
     column_scale[column_scale == 0] = 1
-    g.constant(f"{name}/int8", np.round(weight / column_scale).astype(np.int8))
+    integers = np.round(weight / column_scale).astype(np.int16)
+    g.constant(f"{name}/uint8", (integers + 128).astype(np.uint8))
     g.constant(f"{name}/column_scale", column_scale.astype(np.float32))
-    sums = g.node("MatMulInteger", [rows, f"{name}/int8", "/w8a8/zero_point"], [f"{out}/int32"])[0]
+    sums = g.node("MatMulInteger", [rows, f"{name}/uint8", "/w8a8/zero_point", "/w8a8/zero_point"],
+                  [f"{out}/int32"])[0]
     real = g.node("Cast", [sums], [f"{out}/float"], to=TensorProto.FLOAT)[0]
     by_row = g.node("Mul", [real, row_scale], [f"{out}/by_row"])[0]
     g.node("Mul", [by_row, f"{name}/column_scale"], [out])
