@@ -10,6 +10,8 @@ engine: the same sequence step with or without company gives the same logits (it
 matrix kernels still sum by row count, so its widths differ in the last bits; see
 docs/exactness.md for what is measured there).
 """
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -24,7 +26,22 @@ from saguaro.runtime.engines.manifest import read_manifest
 from saguaro.runtime.engines.onnxruntime_engine import SCORED_INPUT
 from saguaro.runtime.engines.torch_engine import TorchEngine
 
-PRECISIONS = ["fp32", "int8", "int4", "w8a8"]
+
+def has_vnni() -> bool:
+    """The CPU has x86 VNNI (AVX-512 or AVX): where it has not, MLAS runs other int8 kernels."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return True  # not Linux: nothing known against it
+    return "avx512_vnni" in flags or "avx_vnni" in flags or "avx2" not in flags  # no avx2: not x86, not this case
+
+
+# int4 on a CPU without VNNI (a Zen 1 EPYC, AVX2 only, 2026-12-05): MatMulNBits' 4-bit kernel
+# gave a row logits 3e-7 apart at widths 1 and 2 (its int8, fp32 and w8a8 rows stayed bit-identical)
+INT4_ROWS = pytest.param("int4", marks=pytest.mark.xfail(
+    not has_vnni(), reason="MLAS's int4 kernel without VNNI computes a row differently by the rows beside it",
+    strict=False))
+PRECISIONS = ["fp32", "int8", INT4_ROWS, "w8a8"]
 PROMPT = [5, 9, 14, 3, 22, 7, 11, 6, 18, 4]
 CONTINUATION = [8, 30, 2, 41, 17, 9, 26, 12, 33]
 WIDTHS = [2, 3, 5, 9]  # a verify of K+1 tokens, K = 1, 2, 4, 8
