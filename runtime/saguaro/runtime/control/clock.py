@@ -94,14 +94,32 @@ class SizeClock:
 
 class ClockCheck:
     """The load policy asks `allows(requests)` of each round its model chose to draft in,
-    and hears each round's committed tokens and period (`observe`)."""
+    says what each round counts as (`counts`) and what it committed (`committed`); the
+    decoder reports the round's period (`observe_period`)."""
 
     def __init__(self) -> None:
         self.sizes: dict[int, SizeClock] = {}
+        self._kind: bool | None = None  # this round drafts, as the clock counts it; None: not its to check
+        self._pending: tuple[int, bool, int] | None = None  # the last round: requests, kind, tokens
 
     def allows(self, requests: int) -> bool:
         """Whether a round of `requests` may draft as the model chose."""
         return self.sizes.setdefault(requests, SizeClock()).allows()
+
+    def counts(self, drafted: bool | None) -> None:
+        """This round counts as drafting (or not); None: the clock does not judge it (every
+        request pinned its own K)."""
+        self._kind = drafted
+
+    def committed(self, requests: int, tokens: int) -> None:
+        """The round of `requests` committed `tokens`; its period comes next."""
+        self._pending = None if self._kind is None else (requests, self._kind, tokens)
+
+    def observe_period(self, seconds: float) -> None:
+        """The last round's period, from its start to the next round's."""
+        if self._pending is not None:
+            self.observe(*self._pending, seconds)
+            self._pending = None
 
     def observe(self, requests: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A round of `requests` that drafted (or not) committed `tokens` in `seconds`,

@@ -182,10 +182,8 @@ class LoadPolicy:
         self.probe_spacing = PROBE_PERIOD     # rounds between probes that keeps them within PROBE_SHARE
         self.shared = {greedy: Acceptance(fading=SHARED_FADING) for greedy in (True, False)}
         # committed tokens per second of wall time, drafting or not (`control.clock`), which
-        # overrules the model where drafting measured slower; and what it hears of a round
+        # overrules the model where drafting measured slower
         self.clock = ClockCheck()
-        self._clock_kind: bool | None = None  # this round drafts (as the clock counts it); None: not its to check
-        self._clocked_round: tuple[int, bool, int] | None = None  # the last round: requests, kind, tokens
         self._engines = (target, draft)
         self.measured_acceptance = draft.info.acceptance if draft is not None else ()
 
@@ -201,10 +199,7 @@ class LoadPolicy:
             if sequence.hit is not None:
                 self.record_lookup(sequence.acceptance, sequence.greedy, sequence.hit)
         self.observe_host(report.requests, report.host_s, report.drafted)
-        self._clocked_round = None
-        if self._clock_kind is not None:
-            committed = sum(sequence.accepted + 1 for sequence in report.sequences)
-            self._clocked_round = (report.requests, self._clock_kind, committed)
+        self.clock.committed(report.requests, sum(sequence.accepted + 1 for sequence in report.sequences))
         whole = report.verify_s + report.wait_s + report.draft_s + report.host_s
         if self._modelled is not None and report.drafted:  # checked against its price
             modelled, undrafted, speculating = self._modelled
@@ -215,9 +210,7 @@ class LoadPolicy:
     def observe_period(self, seconds: float) -> None:
         """The last round's period, from its start to the next round's (`Decoder`), for the
         clock; not called for a period in which requests joined."""
-        if self._clocked_round is not None:
-            self.clock.observe(*self._clocked_round, seconds)
-            self._clocked_round = None
+        self.clock.observe_period(seconds)
 
     def observe_probe(self, added_s: float, round_s: float) -> None:
         """A probe added `added_s` to a round the model priced at `round_s` without it:
@@ -281,11 +274,12 @@ class LoadPolicy:
     def choose(self, batch) -> list[Plan]:
         """The plan of each `batch` entry (a `decoding.Sequence`: its `k`, `adapts`,
         `steered`, `acceptance`, `greedy`, `prespeculating`, `room`, `draft_lag` and last `plan`)."""
-        self._modelled = self._probe_priced = self._clock_kind = None
+        self._modelled = self._probe_priced = None
+        self.clock.counts(None)
         if not any(sequence.adapts or sequence.steered for sequence in batch):
             return [Plan(most_drafts(s), s.prespeculating) for s in batch]  # as each asked
         if self._quiet_holds(batch):
-            self._clock_kind = False
+            self.clock.counts(False)
             return self._quiet_plans(batch)
         candidates, ks = self._chosen(batch, [self._candidate(sequence) for sequence in batch])
         ks = self._clocked(candidates, ks)
@@ -309,8 +303,9 @@ class LoadPolicy:
         nothing (`ClockCheck.allows`): then the requests that adapt draft nothing (their
         probes aside, which belong to speculation off)."""
         adapting = [c.adapts and k > 0 for c, k in zip(candidates, ks)]
-        self._clock_kind = any(adapting) and self.clock.allows(len(ks))
-        if any(adapting) and not self._clock_kind:
+        drafts = any(adapting) and self.clock.allows(len(ks))
+        self.clock.counts(drafts)
+        if any(adapting) and not drafts:
             return [0 if adapts else k for adapts, k in zip(adapting, ks)]
         return ks
 
