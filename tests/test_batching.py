@@ -147,6 +147,22 @@ def test_a_failing_round_observer_does_not_stop_the_decoding_thread(tiny_pair, c
         assert "the round observer failed" in caplog.text
 
 
+def test_a_slot_freed_by_a_round_is_filled_in_the_next_one(tiny_engines):
+    """Requests of several lengths, more than the KV slots: once the batch was first full,
+    no round runs with a slot empty while a request waits for one."""
+    with Pipeline.load(engines=tiny_engines) as loaded:
+        slots = loaded.max_active
+        rounds = []  # (batch size, requests still waiting after it)
+        loaded.observe_rounds(lambda batch: rounds.append((len(batch), loaded.queued)))
+        made = [loaded.request(loaded.encode(PROMPTS[index % len(PROMPTS)]),
+                               DecodeOptions(mode="autoregressive", max_tokens=3 + 2 * index, eos_token_id=-1),
+                               SamplingParams()) for index in range(3 * slots)]
+        loaded.generate_batch(made)
+    first_full = next(index for index, (size, _) in enumerate(rounds) if size == slots)
+    short = [(size, waiting) for size, waiting in rounds[first_full:] if size < slots and waiting]
+    assert not short, f"rounds with a free slot while requests waited: {short}"
+
+
 def test_a_ragged_batch_packs_row_by_slot_with_idle_rows_padding_and_masks():
     """Slots 0, 2 and 3 of a pool step (slot 1 idle): a causal step of 2 tokens after 3
     cached, a tree step with its own mask, and a prompt step that scores its last token

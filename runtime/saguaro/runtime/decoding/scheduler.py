@@ -83,12 +83,14 @@ class Scheduler:
             joining = self._take(self.max_active - len(active), wait=not active)
             if joining is None:
                 return  # closed, and nothing left to run
-            active += self._start(joining)
-            active = self._retire(active)
+            active = self._retire(active + self._start(joining))  # some end at their prefill
             with self._condition:
                 self._active = len(active)
             if active:
                 self._round(active)
+                # those that finished leave now, so that the next take fills their slots
+                # (taken before, a slot freed by a round stayed empty for one more round)
+                active = self._retire(active)
 
     def _take(self, room: int, wait: bool) -> list[tuple[Request, Future]] | None:
         with self._condition:
