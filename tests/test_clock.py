@@ -5,7 +5,7 @@ from test_load_policy import FakeSequence, measured, policy_with
 
 from saguaro.runtime.control.acceptance import Acceptance
 from saguaro.runtime.control.clock import RETRY_ROUNDS, UNDRAFTED_EVERY, UNMEASURED_EVERY, VETO_ROUNDS, ClockCheck
-from saguaro.runtime.control.load_policy import LoadPolicy, Plan, RoundReport, SequenceRound
+from saguaro.runtime.control.load_policy import LoadPolicy, Plan, RoundReport, SequenceRound, undrafted_reason
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.pipeline import Pipeline
@@ -89,6 +89,22 @@ def test_the_policy_drafts_nothing_where_the_clock_measured_drafting_slower_and_
     late = chosen[-UNDRAFTED_EVERY:]
     assert all(ks[:2] == [0, 0] or ks[0] == 1 for ks in late)  # nothing, or a probe's one draft
     assert all(ks[2] == 2 for ks in chosen)
+
+
+def test_a_round_the_clock_kept_from_drafting_says_so():
+    """The rounds the clock overruled are told from those the model priced out (the
+    server counts them apart: `ssd_undrafted_rounds_total`)."""
+    policy = policy_with(measured(0.004, 0.0004), measured(0.0003, 0.00002), acceptance=0.6)
+    batch = [FakeSequence(), FakeSequence()]
+    rounds_by_the_clock(policy, batch, 4 * UNDRAFTED_EVERY, drafting_s=0.030, undrafted_s=0.010)
+    reasons = []
+    for _ in range(UNDRAFTED_EVERY):
+        plans = policy.choose(batch)
+        for sequence, plan in zip(batch, plans):
+            sequence.plan = plan
+        reasons.append(undrafted_reason(plans))
+    assert set(reasons) <= {"clock", None}  # a probe's round drafts
+    assert reasons.count("clock") >= UNDRAFTED_EVERY - 2
 
 
 def test_the_policy_keeps_drafting_where_the_clock_measured_it_faster():

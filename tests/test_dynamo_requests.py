@@ -133,12 +133,14 @@ def test_the_worker_metrics_count_rounds_drafts_and_requests():
     pytest.importorskip("prometheus_client", reason="the dynamo extra is not installed")
     from types import SimpleNamespace
 
+    from saguaro.runtime.control.load_policy import Plan
     from saguaro.serving.dynamo_metrics import WorkerMetrics
     from saguaro.serving.served_metrics import metric
 
     metrics = WorkerMetrics("tiny")
     metrics.started()
-    metrics.observe_round([SimpleNamespace(verified=3), SimpleNamespace(verified=2)], queued=1)
+    metrics.observe_round([SimpleNamespace(plan=Plan(2)), SimpleNamespace(plan=Plan(0, undrafted="priced"))], queued=2)
+    metrics.observe_round([SimpleNamespace(plan=Plan(0, undrafted="clock")), SimpleNamespace(plan=Plan(0))], queued=1)
     metrics.finished("stop", 7, {"rounds": 3, "accepted_histogram": [1, 0, 2], "drafted_tokens": 5, "cache_hits": 2,
                                  "cache_misses": 1, "tokens_per_s": 50.0})
     metrics.refused("rejected")
@@ -149,7 +151,9 @@ def test_the_worker_metrics_count_rounds_drafts_and_requests():
     assert metric(text, "ssd_requests_total", finish_reason="stop") == 1
     assert metric(text, "ssd_requests_total", finish_reason="rejected") == 1
     assert metric(text, "ssd_requests_in_flight") == 0 and metric(text, "ssd_requests_queued") == 1
-    assert metric(text, "ssd_batch_size_count") == 1 and metric(text, "ssd_batch_size_sum") == 2
+    assert metric(text, "ssd_batch_size_count") == 2 and metric(text, "ssd_batch_size_sum") == 4
+    assert metric(text, "ssd_undrafted_rounds_total", reason="clock") == 1  # the round that drafted is not counted
+    assert metric(text, "ssd_undrafted_rounds_total", reason="priced") == 0
 
 
 def test_the_projection_multiplies_the_one_worker_figure_and_ignores_other_cluster_sizes():

@@ -21,6 +21,7 @@ from saguaro.runtime.control.load_policy import (
     Plan,
     RoundReport,
     probe_period,
+    undrafted_reason,
 )
 from saguaro.runtime.core.contracts import Rows, Step
 from saguaro.runtime.core.options import DecodeOptions
@@ -822,11 +823,13 @@ def test_speculation_off_at_a_load_no_k_could_beat_holds_while_requests_join_and
                 sequence.plan = plan
 
     rounds(1)
+    assert undrafted_reason([sequence.plan for sequence in batch]) == "priced"  # the model's choice
     chosen_once = len(weighed)
     batch[3] = FakeSequence(plan=Plan(0))  # one request left, another took its place
     batch.append(FakeSequence(plan=Plan(0)))  # and one more joined
     rounds(QUIET_ROUNDS - 1)
     assert len(weighed) == chosen_once
+    assert undrafted_reason([sequence.plan for sequence in batch]) == "held"  # the choice, held
     assert batch[0].plan.quiet == QUIET_ROUNDS  # counted on, for the probes once it could pay
     rounds(1)
     assert len(weighed) == 2 * chosen_once  # the choice had run its rounds
@@ -841,3 +844,12 @@ def test_speculation_off_at_a_load_no_k_could_beat_holds_while_requests_join_and
     del batch[1:]
     policy.choose(batch)
     assert len(weighed) == 4 * chosen_once  # ... so the smaller batch is weighed again
+
+
+def test_a_round_that_drafted_nothing_names_the_most_telling_reason():
+    drafts = Plan(2)
+    assert undrafted_reason([drafts, Plan(0, undrafted="clock")]) is None  # it drafted
+    assert undrafted_reason([Plan(0, undrafted="priced"), Plan(0, undrafted="clock"), Plan(0)]) == "clock"
+    assert undrafted_reason([Plan(0, undrafted="priced"), Plan(0, undrafted="held")]) == "held"
+    assert undrafted_reason([Plan(0), Plan(0)]) == "asked"  # pinned K = 0: nobody's choice but the request's
+

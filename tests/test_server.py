@@ -481,6 +481,20 @@ def test_metrics_endpoint_reports_the_ssd_figures(server, client):
     drafted, accepted = metric(text, "ssd_verified_draft_tokens_total"), metric(text, "ssd_accepted_draft_tokens_total")
     assert drafted > 0 and drafted >= accepted  # counted when each request ends
     assert metric(text, "nv_inference_request_success", model="ensemble") >= 1  # Triton's own
+    assert "# TYPE ssd_undrafted_rounds_total counter" in text
+
+
+def test_the_metrics_say_why_a_round_drafted_nothing(server, client):
+    """An autoregressive request's rounds draft nothing because nothing asked them to."""
+    before = metrics(server)
+    complete(client, ensemble_inputs(PROMPTS[1], 16, False, end_id=-1, decoding_mode="autoregressive"))
+    after = settled_metrics(server, lambda text: metric(text, "ssd_requests_in_flight") == 0)
+
+    def grown(name, **labels):
+        return metric(after, name, **labels) - metric(before, name, **labels)
+    rounds = grown("ssd_batch_size_count")
+    assert rounds >= 15 and grown("ssd_undrafted_rounds_total", reason="asked") == rounds
+    assert all(grown("ssd_undrafted_rounds_total", reason=why) == 0 for why in ("clock", "held", "priced"))
 
 
 def test_requests_beyond_the_kv_slots_queue_and_all_complete_in_one_batch(pipeline, server, client):

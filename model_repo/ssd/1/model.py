@@ -32,6 +32,7 @@ import numpy as np
 
 import triton_python_backend_utils as pb_utils
 
+from saguaro.runtime.control.load_policy import UNDRAFTED_REASONS, undrafted_reason
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.serving import lifecycle
 from saguaro.serving import requests as serving
@@ -181,6 +182,10 @@ class SsdMetrics:
         self.batch_size = self.family("ssd_batch_size", "Requests in each decoding round",
                                       pb_utils.MetricFamily.HISTOGRAM
                                       ).Metric(labels=self.labels, buckets=BATCH_SIZE_BUCKETS)
+        undrafted = self.family("ssd_undrafted_rounds_total", "Decoding rounds that drafted nothing, by why",
+                                pb_utils.MetricFamily.COUNTER)
+        self.undrafted = {reason: undrafted.Metric(labels={**self.labels, "reason": reason})
+                          for reason in UNDRAFTED_REASONS}
         self.lock = threading.Lock()
         # gathered, not sent yet: increments by metric, histogram observations, the queue's size
         self.increments: collections.Counter = collections.Counter()
@@ -198,8 +203,9 @@ class SsdMetrics:
     def change_in_flight(self, delta: int) -> None:
         self.gather({self.in_flight: delta})
 
-    def observe_round(self, batch_size: int, queued: int) -> None:
-        self.gather({}, [(self.batch_size, batch_size)], queued)
+    def observe_round(self, batch_size: int, queued: int, undrafted: str | None) -> None:
+        """A round of `batch_size` requests; `undrafted`: why it drafted nothing (None: it drafted)."""
+        self.gather({self.undrafted[undrafted]: 1} if undrafted else {}, [(self.batch_size, batch_size)], queued)
 
     def count_request(self, finish_reason: str) -> None:
         self.gather({self.finish_reason(finish_reason): 1})
@@ -276,7 +282,7 @@ class TritonPythonModel:
     def observe_round(self, batch) -> None:
         """In the scheduler's thread, after each round: the metrics go out from the outbox's."""
         self.batch = len(batch)
-        self.metrics.observe_round(self.batch, self.pipeline.queued)
+        self.metrics.observe_round(self.batch, self.pipeline.queued, undrafted_reason([s.plan for s in batch]))
 
     def rounds_per_response(self) -> int:
         return rounds_per_response(self.stream_interval, self.batch)

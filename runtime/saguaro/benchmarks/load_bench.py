@@ -15,7 +15,8 @@ count as one (their tokens over their seconds: on a shared 2-core machine one ru
 figure moves by a tenth, more than the differences the load policy's targets ask
 about). Per mode and C: total output
 tokens/s, per-request inter-token latency and time to first token (p50/p99), and, from
-the server's metrics, the mean batch size and mean K per round. A sampled check
+the server's metrics, the mean batch size, mean K per round and the share of rounds in
+which the clock overruled the load policy's choice to draft. A sampled check
 (temperature 0.8, C = 1; `--sampled-top-p` adds top-p) follows. Figures are printed (and
 written as JSON and a PNG plot), never asserted: the targets of the load policy are
 printed as met or not.
@@ -38,12 +39,13 @@ import tritonclient.grpc as grpcclient
 from saguaro.benchmarks.cpu_profile import server_processes, snapshot, spent
 from saguaro.benchmarks.figures import pyplot, save
 from saguaro.runtime.arguments import DECODE_DEFAULTS
+from saguaro.runtime.control.load_policy import UNDRAFTED_REASONS
 from saguaro.runtime.models.prompts import PROMPTS
 from saguaro.serving.client import complete, ensemble_inputs, tensor
 from saguaro.serving.launch import parse_args as serve_args
 from saguaro.serving.launch import serve
 from saguaro.serving.model_repo import values_from_args
-from saguaro.serving.served_metrics import growth_ratio, histogram_mean, settled_scrape
+from saguaro.serving.served_metrics import growth_ratio, histogram_mean, metric, settled_scrape
 from saguaro.serving.triton_server import Ports
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
@@ -85,6 +87,7 @@ class Level:
     runs: int = 1
     itl_ms: list[float] = field(default_factory=list)   # each request's
     ttft_ms: list[float] = field(default_factory=list)  # each request's
+    undrafted: dict = field(default_factory=dict)        # share of the rounds that drafted nothing, by why
 
 
 def merged(runs: list[Level]) -> Level:
@@ -97,11 +100,13 @@ def merged(runs: list[Level]) -> Level:
     by_tokens = [run.tokens / max(tokens, 1) for run in runs]
     cpu = {name: round(sum(share * run.cpu_ms_per_token.get(name, 0.0) for share, run in zip(by_tokens, runs)), 4)
            for name in dict.fromkeys(name for run in runs for name in run.cpu_ms_per_token)}
+    undrafted = {reason: sum(share * run.undrafted.get(reason, 0.0) for share, run in zip(by_time, runs))
+                 for reason in dict.fromkeys(reason for run in runs for reason in run.undrafted)}
     first = runs[0]
     return Level(first.mode, first.concurrency, sum(run.requests for run in runs), tokens, seconds, tokens / seconds,
                  percentile(itl, 0.5), percentile(itl, 0.99), percentile(ttft, 0.5), percentile(ttft, 0.99),
                  sum(share * run.mean_batch for share, run in zip(by_time, runs)),
-                 sum(share * run.mean_k for share, run in zip(by_time, runs)), cpu, len(runs), itl, ttft)
+                 sum(share * run.mean_k for share, run in zip(by_time, runs)), cpu, len(runs), itl, ttft, undrafted)
 
 
 def percentile(values: list[float], share: float) -> float:
@@ -183,7 +188,16 @@ def run_level(url: str, metrics_port: int, mode: Mode, concurrency: int, request
                  histogram_mean(before, after, "ssd_batch_size"),
                  growth_ratio(before, after, "ssd_verified_draft_tokens_total", "ssd_rounds_total"),
                  {name: round(1000 * seconds / max(tokens, 1), 4) for name, seconds in cpu.items()},
-                 itl_ms=itl, ttft_ms=ttft)
+                 itl_ms=itl, ttft_ms=ttft, undrafted=undrafted_shares(before, after))
+
+
+def undrafted_shares(before: str, after: str) -> dict[str, float]:
+    """Of the rounds between two scrapes, the share that drafted nothing, by why (the
+    load policy's reasons: `UNDRAFTED_REASONS`)."""
+    rounds = metric(after, "ssd_batch_size_count") - metric(before, "ssd_batch_size_count")
+    grown = {reason: metric(after, "ssd_undrafted_rounds_total", reason=reason)
+             - metric(before, "ssd_undrafted_rounds_total", reason=reason) for reason in UNDRAFTED_REASONS}
+    return {reason: count / rounds for reason, count in grown.items()} if rounds else {}
 
 
 def level_name(mode: Mode, path: str) -> str:
@@ -202,11 +216,11 @@ def print_level(level: Level) -> None:
     runs = f" ({level.runs} runs)" if level.runs > 1 else ""
     print(f"{level.mode:22s} {level.concurrency:4d} {level.tokens_per_s:9.1f} {level.itl_ms_p50:8.2f} "
           f"{level.itl_ms_p99:8.2f} {level.ttft_ms_p50:8.1f} {level.ttft_ms_p99:8.1f} "
-          f"{level.mean_batch:6.2f} {level.mean_k:5.2f}{runs}", flush=True)
+          f"{level.mean_batch:6.2f} {level.mean_k:5.2f} {level.undrafted.get('clock', 0.0):6.1%}{runs}", flush=True)
 
 
 HEADER = (f"{'mode':22s} {'C':>4s} {'tok/s':>9s} {'ITL p50':>8s} {'ITL p99':>8s} {'TTFT p50':>8s} "
-          f"{'TTFT p99':>8s} {'batch':>6s} {'K':>5s}")
+          f"{'TTFT p99':>8s} {'batch':>6s} {'K':>5s} {'clock':>6s}")
 
 
 def run_modes(args, modes: list[Mode], extra: dict, concurrency: tuple[int, ...], label: str) -> list[Level]:

@@ -15,6 +15,8 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from saguaro.runtime.control.load_policy import UNDRAFTED_REASONS, undrafted_reason
+
 # Tokens per second of one request; a tiny model on CPU reaches the thousands.
 TOKENS_PER_S_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -54,6 +56,9 @@ class WorkerMetrics:
                                       labels, buckets=TOKENS_PER_S_BUCKETS, registry=self.registry).labels(model)
         self.batch_size = Histogram("ssd_batch_size", "Requests in each decoding round", labels,
                                     buckets=BATCH_SIZE_BUCKETS, registry=self.registry).labels(model)
+        undrafted = Counter("ssd_undrafted_rounds", "Decoding rounds that drafted nothing, by why",
+                            labels + ["reason"], registry=self.registry)
+        self.undrafted = {reason: undrafted.labels(model, reason) for reason in UNDRAFTED_REASONS}
         self.model = model
         self.lock = threading.Lock()
 
@@ -62,9 +67,13 @@ class WorkerMetrics:
             self.in_flight.inc()
 
     def observe_round(self, batch, queued: int) -> None:
-        """The scheduler's round observer: the requests in the round, the queue."""
+        """The scheduler's round observer: the requests in the round, why it drafted nothing
+        (if it did not), the queue."""
+        reason = undrafted_reason([sequence.plan for sequence in batch])
         with self.lock:
             self.batch_size.observe(len(batch))
+            if reason:
+                self.undrafted[reason].inc()
             self.queued.set(queued)
 
     def finished(self, finish_reason: str, output_tokens: int, stats: dict) -> None:

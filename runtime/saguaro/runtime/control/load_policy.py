@@ -119,6 +119,22 @@ class Plan:
     quiet: int = 0               # rounds in a row, this one included, that the policy had it draft nothing
     probe: bool = False          # drafts only so that acceptance is measured (speculation is off)
     rejected_probes: int = 0     # probes in a row, since speculation was last on, that accepted nothing
+    undrafted: str | None = None  # why the policy had a request that may draft draft nothing (UNDRAFTED_REASONS)
+
+
+# Why a round drafted nothing, the most telling first: the clock overruled the model's
+# choice (a veto, or one of the rounds that keep speculation off measured), a choice of K = 0
+# for all held through joins and leaves (`_quiet_holds`), the model priced every K below
+# K = 0; "asked": no request in it may draft (each pinned K = 0, or has no room left).
+UNDRAFTED_REASONS = ("clock", "held", "priced", "asked")
+
+
+def undrafted_reason(plans) -> str | None:
+    """Why a round with these plans drafted nothing (`UNDRAFTED_REASONS`); None: it drafted."""
+    if any(plan.draft_tokens for plan in plans):
+        return None
+    reasons = {plan.undrafted for plan in plans}
+    return next((reason for reason in UNDRAFTED_REASONS if reason in reasons), "asked")
 
 
 @dataclass
@@ -282,32 +298,34 @@ class LoadPolicy:
             self.clock.counts(False)
             return self._quiet_plans(batch)
         candidates, ks = self._chosen(batch, [self._candidate(sequence) for sequence in batch])
-        ks = self._clocked(candidates, ks)
+        ks, overruled = self._clocked(candidates, ks)
         if any(ks):  # the choice drafts (a probe's round is priced apart): its price is checked
             self._modelled = (self._modelled_seconds(candidates, ks), self._modelled_seconds(candidates, [0] * len(ks)),
                               prespeculates(candidates, ks))
         for greedy in self._since_probe:
             self._since_probe[greedy] += 1
         branches = self._branch_rows(candidates, ks)
-        plans = [Plan(k, c.prespeculating, branches if c.steered and c.prespeculating and k else None)
-                 for c, k in zip(candidates, ks)]
+        plans = [Plan(k, c.prespeculating, branches if c.steered and c.prespeculating and k else None,
+                      undrafted=("clock" if clock else "priced") if c.adapts and c.most and not k else None)
+                 for c, k, clock in zip(candidates, ks, overruled)]
         plans = [self._probed(plan, sequence, candidates, ks, index)
                  for index, (plan, sequence) in enumerate(zip(plans, batch))]
         if any(plan.probe for plan in plans):
             self._probe_priced = self._round_seconds(candidates, ks)
         return plans
 
-    def _clocked(self, candidates: list["_Candidate"], ks: list[int]) -> list[int]:
+    def _clocked(self, candidates: list["_Candidate"], ks: list[int]) -> tuple[list[int], list[bool]]:
         """The model's choice, unless the clock says drafting at this batch size commits
         fewer tokens per second than drafting nothing, or this round measures drafting
         nothing (`ClockCheck.allows`): then the requests that adapt draft nothing (their
-        probes aside, which belong to speculation off)."""
+        probes aside, which belong to speculation off). With the K of each request, whether
+        the clock overruled it."""
         adapting = [c.adapts and k > 0 for c, k in zip(candidates, ks)]
         drafts = any(adapting) and self.clock.allows(len(ks))
         self.clock.counts(drafts)
         if any(adapting) and not drafts:
-            return [0 if adapts else k for adapts, k in zip(adapting, ks)]
-        return ks
+            return [0 if adapts else k for adapts, k in zip(adapting, ks)], adapting
+        return ks, [False] * len(ks)
 
     def _quiet_holds(self, batch) -> bool:
         """Speculation was turned off for every request and no K could pay at that load
@@ -335,7 +353,7 @@ class LoadPolicy:
         for greedy in self._since_probe:
             self._since_probe[greedy] += 1
         return [Plan(0, sequence.prespeculating, quiet=sequence.plan.quiet + 1,
-                     rejected_probes=sequence.plan.rejected_probes) for sequence in batch]
+                     rejected_probes=sequence.plan.rejected_probes, undrafted="held") for sequence in batch]
 
     def _probed(self, plan: Plan, sequence, candidates: list["_Candidate"], ks: list[int], index: int) -> Plan:
         """With speculation off (K = 0 chosen for a request that may draft), the plan of a
