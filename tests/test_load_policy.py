@@ -90,6 +90,30 @@ def test_a_size_the_rising_envelope_holds_up_follows_its_own_measurements():
     assert cost(1) == pytest.approx(0.001, rel=0.02) and cost(2) == pytest.approx(0.002, rel=0.02)
 
 
+def test_a_size_measured_bounds_every_smaller_one():
+    """A forward never costs less for more tokens: a level left high at 12 tokens (a busy
+    spell) held the envelope up at 16 for good while rounds ran at 16 only; the wide
+    session was priced at 137 ms where it took 42, and never chosen."""
+    cost = CostCurve({1: 0.0078, 12: 0.0257, 16: 0.0324, 32: 0.0612})
+    for _ in range(200):
+        cost.observe(12, 0.137)
+    assert cost(16) > 0.13
+    for _ in range(8):
+        cost.observe(16, 0.042, following=0.5)
+    assert cost(16) == pytest.approx(0.042, rel=0.02) and cost(12) <= cost(16)
+    assert cost(32) > cost(16)  # wider sizes keep their own level
+
+
+def test_a_one_point_curve_is_read_the_same_way_by_measurements_and_predictions():
+    """Before any calibration a curve holds the first size measured: rounds of 16 tokens
+    move it to what they took, neither flat nor 16 times over."""
+    cost = CostCurve()
+    cost.observe(1, 0.0076)
+    for _ in range(200):
+        cost.observe(16, 0.040)
+    assert cost(16) == pytest.approx(0.040, rel=0.02)
+
+
 def test_a_verify_measured_slower_than_calibrated_prices_wider_ones_dearer_too():
     """Rounds of 16 sequences verify a third slower than the one-sequence calibration
     (their attention reads 16 caches); at K = 0 only verify(16) is measured. Priced at
@@ -113,9 +137,12 @@ def test_calibration_gives_a_curve_its_shape_even_after_autoregressive_rounds_me
     policy = LoadPolicy(target, draft)
     policy.observe_verify(1, 0.004)
     policy.observe_verify(1, 0.004, alone=True)
+    for _ in range(20):
+        policy.observe_verify(16, 0.5, alone=True)  # measured against the one point's guess
     policy.calibrate()
     for curve in (policy.verify_cost, policy.alone_cost, policy.draft_cost):
         assert len(curve.points) > 4 and 5 in curve.points
+        assert curve(16) == pytest.approx(CostCurve(curve.points)(16))  # the calibration's, nothing carried over
 
 
 def test_host_time_fits_a_line_and_older_measurements_fade():

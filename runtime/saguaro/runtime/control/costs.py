@@ -133,7 +133,7 @@ class CostCurve:
     (16, at K = 0), a wider verify (32, at K = 1) would have kept the one-sequence price
     and looked cheap, and the load policy drafted where drafting lost. A forward never
     costs less for more tokens: predictions follow the rising envelope, while each
-    measurement moves the levels themselves."""
+    measurement moves the levels themselves, and bounds the levels of every smaller size."""
 
     def __init__(self, points: Mapping[int, float] | Mapping[float, float] | None = None):
         self.points = dict(sorted((points or {}).items()))  # the shape
@@ -164,13 +164,27 @@ class CostCurve:
         # 5, pricing a verify of 5 tokens at 4.0 ms where it took 3.3)
         if size <= 0 or seconds <= 0:
             return
-        predicted = interpolated(self._levels(), size, extend=True)
+        predicted = along(self._levels(), size)
         if predicted <= 0:
             return
         correction = seconds / predicted
         for point, share in self._shares(size):
             self.factors[point] = self.factor(point) * correction ** (following * share)
+        self._bound_below(size)
         self.factors = dict(sorted(self.factors.items()))
+
+    def _bound_below(self, size: float) -> None:
+        """A forward never costs less for more tokens, so the level `size` now has bounds
+        every smaller size's. Without that bound a smaller size measured dear once (a busy
+        spell, rounds priced on one point before the calibration came) held the rising
+        envelope up over `size` for as long as no round ran at the smaller size: the wide
+        session's curve priced a verification of 16 tokens (bench pair, w8a8) at 137 ms
+        from a level left at 12 tokens, where it took 42, and the target verified on one
+        thread (64 ms) in 97% of rounds, its second core idle."""
+        ceiling = along(self._levels(), size)
+        for point, seconds in self.points.items():
+            if point < size and seconds * self.factor(point) > ceiling:
+                self.factors[point] = ceiling / seconds
 
     def factor(self, size: float) -> float:
         """Measured over calibrated near `size`: interpolated between the points
@@ -206,10 +220,19 @@ class CostCurve:
     def __call__(self, size: float) -> float:
         if size <= 0 or not self.points:
             return 0.0
-        curve = self._envelope()
-        if len(curve) == 1:
-            return curve[0][1] * max(size / curve[0][0], 1.0)
-        return interpolated(curve, size, extend=True)
+        return along(self._envelope(), size)
+
+
+def along(points: list[tuple[float, float]], size: float) -> float:
+    """The curve through the sorted `(size, seconds)` points at `size`: interpolated, the
+    last segment extended; one point alone scaled by size above it (a curve measured at one
+    size only, before any calibration). Predictions and the measurements that move the
+    levels read the curve the same way: a one-point curve read flat by the measurements
+    and scaled by the predictions had its factor pushed to 5.3 by rounds of 16 tokens
+    measured against a point at 1, and priced them at 16 times what they took."""
+    if len(points) == 1:
+        return points[0][1] * max(size / points[0][0], 1.0)
+    return interpolated(points, size, extend=True)
 
 
 def interpolated(points: list[tuple[float, float]], size: float, extend: bool) -> float:

@@ -281,11 +281,10 @@ class LoadPolicy:
         stored = target.info.calibration
         calibration = (stored if stored is not None and stored.measured_here
                        else measure_calibration(target, draft, alone=self.alone))
-        for curve, points in ((self.verify_cost, calibration.verify), (self.alone_cost, calibration.alone),
-                              (self.draft_cost, calibration.draft)):
-            for size, seconds in points.items():
-                curve.observe(size, seconds, lasting=True)
-        self.tree_cost = CostCurve(self.draft_cost.points)
+        # the curves start again from the calibration: what rounds measured before it was
+        # measured against a one-point guess of the shape, and would carry the guess's errors
+        self.verify_cost, self.alone_cost, self.draft_cost, self.tree_cost = (
+            CostCurve(points) for points in (calibration.verify, calibration.alone, calibration.draft, calibration.draft))
 
     def choose(self, batch) -> list[Plan]:
         """The plan of each `batch` entry (a `decoding.Sequence`: its `k`, `adapts`,
