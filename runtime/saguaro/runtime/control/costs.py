@@ -181,10 +181,11 @@ class CostCurve:
         session's curve priced a verification of 16 tokens (bench pair, w8a8) at 137 ms
         from a level left at 12 tokens, where it took 42, and the target verified on one
         thread (64 ms) in 97% of rounds, its second core idle."""
-        ceiling = along(self._levels(), size)
-        for point, seconds in self.points.items():
-            if point < size and seconds * self.factor(point) > ceiling:
-                self.factors[point] = ceiling / seconds
+        levels = self._levels()
+        ceiling = along(levels, size)
+        for point, level in levels:
+            if point < size and level > ceiling:
+                self.factors[point] = ceiling / self.points[point]
 
     def factor(self, size: float) -> float:
         """Measured over calibrated near `size`: interpolated between the points
@@ -206,8 +207,11 @@ class CostCurve:
         return [(low, 1.0 - toward_high), (high, toward_high)]
 
     def _levels(self) -> list[tuple[float, float]]:
-        """Each calibrated size's seconds times its factor."""
-        return [(size, seconds * self.factor(size)) for size, seconds in self.points.items()]
+        """Each calibrated size's seconds times its factor (`factor`, the list read once)."""
+        factors = list(self.factors.items())
+        if not factors:
+            return list(self.points.items())
+        return [(size, seconds * interpolated(factors, size, extend=False)) for size, seconds in self.points.items()]
 
     def _envelope(self) -> list[tuple[float, float]]:
         if self._rising is None:
