@@ -119,7 +119,7 @@ class Plan:
     quiet: int = 0               # rounds in a row, this one included, that the policy had it draft nothing
     probe: bool = False          # drafts only so that acceptance is measured (speculation is off)
     rejected_probes: int = 0     # probes in a row, since speculation was last on, that accepted nothing
-    undrafted: str | None = None  # why the policy had a request that may draft draft nothing (UNDRAFTED_REASONS)
+    undrafted: str | None = None  # K = 0 for a request that may draft: why (UNDRAFTED_REASONS)
 
 
 # Why a round drafted nothing, the most telling first: the clock overruled the model's
