@@ -45,7 +45,7 @@ from saguaro.serving.client import complete, ensemble_inputs, tensor
 from saguaro.serving.launch import parse_args as serve_args
 from saguaro.serving.launch import serve
 from saguaro.serving.model_repo import values_from_args
-from saguaro.serving.served_metrics import growth_ratio, histogram_mean, metric, settled_scrape
+from saguaro.serving.served_metrics import growth_ratio, histogram_mean, settled_scrape
 from saguaro.serving.triton_server import Ports
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
@@ -194,10 +194,8 @@ def run_level(url: str, metrics_port: int, mode: Mode, concurrency: int, request
 def undrafted_shares(before: str, after: str) -> dict[str, float]:
     """Of the rounds between two scrapes, the share that drafted nothing, by why (the
     load policy's reasons: `UNDRAFTED_REASONS`)."""
-    rounds = metric(after, "ssd_batch_size_count") - metric(before, "ssd_batch_size_count")
-    grown = {reason: metric(after, "ssd_undrafted_rounds_total", reason=reason)
-             - metric(before, "ssd_undrafted_rounds_total", reason=reason) for reason in UNDRAFTED_REASONS}
-    return {reason: count / rounds for reason, count in grown.items()} if rounds else {}
+    return {reason: growth_ratio(before, after, "ssd_undrafted_rounds_total", "ssd_batch_size_count", reason=reason)
+            for reason in UNDRAFTED_REASONS}
 
 
 def level_name(mode: Mode, path: str) -> str:

@@ -34,11 +34,12 @@ def metric(text: str, name: str, **labels) -> float:
     return 0.0
 
 
-def growth_ratio(before: str, after: str, numerator: str, denominator: str) -> float:
-    """How much `numerator` grew between two scrapes over how much `denominator` did (0 if
-    it did not): e.g. K per round from the verified-drafts and rounds counters."""
+def growth_ratio(before: str, after: str, numerator: str, denominator: str, **labels) -> float:
+    """How much `numerator` (its sample with `labels`) grew between two scrapes over how
+    much `denominator` did (0 if it did not): e.g. K per round from the verified-drafts and
+    rounds counters."""
     grown = metric(after, denominator) - metric(before, denominator)
-    return (metric(after, numerator) - metric(before, numerator)) / grown if grown else 0.0
+    return (metric(after, numerator, **labels) - metric(before, numerator, **labels)) / grown if grown else 0.0
 
 
 def histogram_mean(before: str, after: str, name: str) -> float:

@@ -190,9 +190,7 @@ class CostCurve:
     def factor(self, size: float) -> float:
         """Measured over calibrated near `size`: interpolated between the points
         measurements moved, the nearest one's beyond them, 1 before any measurement."""
-        if not self.factors:
-            return 1.0
-        return interpolated(list(self.factors.items()), size, extend=False)
+        return factor_in(list(self.factors.items()), size)
 
     def _shares(self, size: float) -> list[tuple[float, float]]:
         """The calibrated sizes around `size` and their interpolation weights."""
@@ -209,9 +207,7 @@ class CostCurve:
     def _levels(self) -> list[tuple[float, float]]:
         """Each calibrated size's seconds times its factor (`factor`, the list read once)."""
         factors = list(self.factors.items())
-        if not factors:
-            return list(self.points.items())
-        return [(size, seconds * interpolated(factors, size, extend=False)) for size, seconds in self.points.items()]
+        return [(size, seconds * factor_in(factors, size)) for size, seconds in self.points.items()]
 
     def _envelope(self) -> list[tuple[float, float]]:
         if self._rising is None:
@@ -237,6 +233,11 @@ def along(points: list[tuple[float, float]], size: float) -> float:
     if len(points) == 1:
         return points[0][1] * max(size / points[0][0], 1.0)
     return interpolated(points, size, extend=True)
+
+
+def factor_in(factors: list[tuple[float, float]], size: float) -> float:
+    """`CostCurve.factor` from its `(size, factor)` list, read once by callers that ask at every point."""
+    return interpolated(factors, size, extend=False) if factors else 1.0
 
 
 def interpolated(points: list[tuple[float, float]], size: float, extend: bool) -> float:
