@@ -138,7 +138,7 @@ def test_a_failing_round_observer_does_not_stop_the_decoding_thread(tiny_pair, c
         made = requests(loaded, 3)
         expected = [alone(loaded, request) for request in made]
 
-        def broken(batch):
+        def broken(batch, report):
             raise RuntimeError("observer broke")
 
         loaded.observe_rounds(broken)
@@ -153,7 +153,8 @@ def test_a_slot_freed_by_a_round_is_filled_in_the_next_one(tiny_engines):
     with Pipeline.load(engines=tiny_engines) as loaded:
         slots = loaded.max_active
         rounds = []  # (batch size, requests still waiting after it)
-        loaded.observe_rounds(lambda batch: rounds.append((len(batch), loaded.queued)))
+        reports = []  # each round's report, as its observer got it
+        loaded.observe_rounds(lambda batch, report: (rounds.append((len(batch), loaded.queued)), reports.append(report)))
         made = [loaded.request(loaded.encode(PROMPTS[index % len(PROMPTS)]),
                                DecodeOptions(mode="autoregressive", max_tokens=3 + 2 * index, eos_token_id=-1),
                                SamplingParams()) for index in range(3 * slots)]
@@ -161,6 +162,9 @@ def test_a_slot_freed_by_a_round_is_filled_in_the_next_one(tiny_engines):
     first_full = next(index for index, (size, _) in enumerate(rounds) if size == slots)
     short = [(size, waiting) for size, waiting in rounds[first_full:] if size < slots and waiting]
     assert not short, f"rounds with a free slot while requests waited: {short}"
+    # autoregressive rounds: one token verified per request, nothing drafted
+    assert [(report.requests, report.verified_tokens) for report in reports] == [(size, size) for size, _ in rounds]
+    assert not any(report.drafted for report in reports)
 
 
 def test_a_ragged_batch_packs_row_by_slot_with_idle_rows_padding_and_masks():

@@ -139,8 +139,10 @@ def test_the_worker_metrics_count_rounds_drafts_and_requests():
 
     metrics = WorkerMetrics("tiny")
     metrics.started()
-    metrics.observe_round([SimpleNamespace(plan=Plan(2)), SimpleNamespace(plan=Plan(0, undrafted="priced"))], queued=2)
-    metrics.observe_round([SimpleNamespace(plan=Plan(0, undrafted="clock")), SimpleNamespace(plan=Plan(0))], queued=1)
+    metrics.observe_round([SimpleNamespace(plan=Plan(2)), SimpleNamespace(plan=Plan(0, undrafted="priced"))],
+                          SimpleNamespace(alone=False), queued=2)
+    metrics.observe_round([SimpleNamespace(plan=Plan(0, undrafted="clock")), SimpleNamespace(plan=Plan(0))],
+                          SimpleNamespace(alone=True), queued=1)
     metrics.finished("stop", 7, {"rounds": 3, "accepted_histogram": [1, 0, 2], "drafted_tokens": 5, "cache_hits": 2,
                                  "cache_misses": 1, "tokens_per_s": 50.0})
     metrics.refused("rejected")
@@ -154,6 +156,7 @@ def test_the_worker_metrics_count_rounds_drafts_and_requests():
     assert metric(text, "ssd_batch_size_count") == 2 and metric(text, "ssd_batch_size_sum") == 4
     assert metric(text, "ssd_undrafted_rounds_total", reason="clock") == 1  # the round that drafted is not counted
     assert metric(text, "ssd_undrafted_rounds_total", reason="priced") == 0
+    assert metric(text, "ssd_target_alone_rounds_total") == 1
 
 
 def test_the_projection_multiplies_the_one_worker_figure_and_ignores_other_cluster_sizes():

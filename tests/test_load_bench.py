@@ -26,6 +26,7 @@ def test_the_load_benchmark_measures_every_mode_at_every_concurrency(tiny_engine
         assert all(math.isfinite(level[name]) and level[name] > 0 for name in
                    ("tokens_per_s", "itl_ms_p50", "ttft_ms_p50", "mean_batch")), level
         assert level["mean_batch"] <= level["concurrency"]
+        assert 0.0 <= level["alone"] <= 1.0  # a share of the level's rounds, each counted once
     assert all(level["mean_k"] == 0 for level in levels if level["mode"] == "batched AR")
     assert "targets (measured ratios):" in printed and "batched SSD policy" in printed
     measured = [(line[:22].strip(), int(line[22:27])) for line in printed.splitlines()
@@ -36,13 +37,13 @@ def test_the_load_benchmark_measures_every_mode_at_every_concurrency(tiny_engine
 
 
 def test_runs_of_a_level_count_as_one_their_tokens_over_their_seconds():
-    def run(tokens, seconds, itl, batch, cpu):
+    def run(tokens, seconds, itl, batch, cpu, alone):
         return Level("batched AR", 4, 2, tokens, seconds, tokens / seconds, 0.0, 0.0, 0.0, 0.0, batch, 0.0,
-                     {"server": cpu}, itl_ms=itl, ttft_ms=[1.0, 2.0])
-    one = merged([run(100, 1.0, [10.0, 12.0], 4.0, 5.0), run(300, 3.0, [20.0, 30.0], 3.0, 1.0)])
+                     {"server": cpu}, itl_ms=itl, ttft_ms=[1.0, 2.0], alone=alone)
+    one = merged([run(100, 1.0, [10.0, 12.0], 4.0, 5.0, 1.0), run(300, 3.0, [20.0, 30.0], 3.0, 1.0, 0.6)])
     assert (one.runs, one.requests, one.tokens, one.tokens_per_s) == (2, 4, 400, 100.0)
     assert (one.itl_ms_p50, one.itl_ms_p99) == (20.0, 30.0)  # over every request of both runs
-    assert one.mean_batch == pytest.approx(3.25)  # by time
+    assert one.mean_batch == pytest.approx(3.25) and one.alone == pytest.approx(0.7)  # by time
     assert one.cpu_ms_per_token["server"] == pytest.approx(2.0)  # by tokens
 
 

@@ -242,7 +242,13 @@ def test_the_policy_starts_from_a_calibration_taken_on_this_machine_without_meas
     policy.calibrate()
     assert not measured_now and policy.verify_cost.points == here.verify and policy.alone_cost.points == here.alone
     assert policy.draft_cost.points == here.draft == policy.tree_cost.points
+    unsteered = LoadPolicy(target, draft)
+    unsteered.calibrate(measuring=False)  # autoregressive requests: the stored one is taken all the same
+    assert not measured_now and unsteered.alone_cost.points == here.alone
     target.info = replace(target.info, calibration=replace(here, machine="another machine"))
+    unsteered = LoadPolicy(target, draft)
+    unsteered.calibrate(measuring=False)  # ... but not measured for them
+    assert not measured_now and not unsteered.alone_cost.known
     LoadPolicy(target, draft).calibrate()
     assert measured_now == [1]  # taken elsewhere: measured here, the same way
 
@@ -531,7 +537,7 @@ def plans_of_one_request(pipeline: Pipeline, prompt, options, sampling, on_round
     """The generation, and the plan of each of its rounds."""
     plans = []
 
-    def observe(batch):
+    def observe(batch, _):
         plans.append(batch[0].plan)
         if on_round is not None:
             on_round(len(plans))
@@ -583,7 +589,7 @@ def test_with_speculation_off_the_draft_catches_up_while_the_target_verifies_on_
     decoder = pipeline.schedulers[0].decoder
     decoder.alone = decoder.load_policy.alone = False
     lags = []
-    pipeline.observe_rounds(lambda batch: lags.append((batch[0].plan.draft_tokens,
+    pipeline.observe_rounds(lambda batch, _: lags.append((batch[0].plan.draft_tokens,
                                                        batch[0].speculator.lag(batch[0].out.ids))))
     options = DecodeOptions(mode="ssd", num_draft_tokens=4, adapt_k=True, max_tokens=120, eos_token_id=-1)
     assert pipeline.generate(prompt, options, SamplingParams()).output_ids == expected[:120]

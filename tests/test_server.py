@@ -482,6 +482,7 @@ def test_metrics_endpoint_reports_the_ssd_figures(server, client):
     assert drafted > 0 and drafted >= accepted  # counted when each request ends
     assert metric(text, "nv_inference_request_success", model="ensemble") >= 1  # Triton's own
     assert "# TYPE ssd_undrafted_rounds_total counter" in text
+    assert "# TYPE ssd_target_alone_rounds_total counter" in text
 
 
 def test_the_metrics_say_why_a_round_drafted_nothing(server, client):
@@ -495,6 +496,7 @@ def test_the_metrics_say_why_a_round_drafted_nothing(server, client):
     rounds = grown("ssd_batch_size_count")
     assert rounds >= 15 and grown("ssd_undrafted_rounds_total", reason="asked") == rounds
     assert all(grown("ssd_undrafted_rounds_total", reason=why) == 0 for why in ("clock", "held", "priced"))
+    assert grown("ssd_target_alone_rounds_total") <= rounds  # a count of rounds, not of requests' rounds
 
 
 def test_requests_beyond_the_kv_slots_queue_and_all_complete_in_one_batch(pipeline, server, client):

@@ -395,7 +395,7 @@ def test_metrics_gathered_while_the_outbox_is_busy_go_out_in_one_flush(ssd_modul
                                      "cache_hits": 0, "cache_misses": 0, "tokens_per_s": 50.0})
     for _ in range(10):
         metrics.change_in_flight(1)
-        metrics.observe_round(batch_size=4, queued=2)
+        metrics.observe_round(batch_size=4, queued=2, undrafted="held", alone=True)
         metrics.record(outcome)
         metrics.change_in_flight(-1)
     assert len(posted) == 1 and metrics.counters["generated_tokens"].value == 0  # nothing sent yet
@@ -404,6 +404,8 @@ def test_metrics_gathered_while_the_outbox_is_busy_go_out_in_one_flush(ssd_modul
     assert generated.value == 30 and generated.updates == 1  # one increment for ten requests
     assert metrics.counters["verified_draft_tokens"].updates == 0  # a 0 is not sent
     assert metrics.batch_size.observed == [4] * 10 and metrics.queued.value == 2
+    assert metrics.undrafted["held"].value == 10 and metrics.undrafted["priced"].updates == 0
+    assert metrics.alone_rounds.value == 10 and metrics.alone_rounds.updates == 1
     assert metrics.in_flight.value == 0 and metrics.by_reason["length"].value == 10
     metrics.count_request("rejected")
     assert len(posted) == 1  # the next update posts the next flush

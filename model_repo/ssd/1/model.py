@@ -32,7 +32,7 @@ import numpy as np
 
 import triton_python_backend_utils as pb_utils
 
-from saguaro.runtime.control.load_policy import UNDRAFTED_REASONS, undrafted_reason
+from saguaro.runtime.control.load_policy import UNDRAFTED_REASONS, ALONE_ROUNDS_HELP, undrafted_reason
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.serving import lifecycle
 from saguaro.serving import requests as serving
@@ -186,6 +186,7 @@ class SsdMetrics:
                                 pb_utils.MetricFamily.COUNTER)
         self.undrafted = {reason: undrafted.Metric(labels={**self.labels, "reason": reason})
                           for reason in UNDRAFTED_REASONS}
+        self.alone_rounds = self.counter("ssd_target_alone_rounds_total", ALONE_ROUNDS_HELP)
         self.lock = threading.Lock()
         # gathered, not sent yet: increments by metric, histogram observations, the queue's size
         self.increments: collections.Counter = collections.Counter()
@@ -203,9 +204,13 @@ class SsdMetrics:
     def change_in_flight(self, delta: int) -> None:
         self.gather({self.in_flight: delta})
 
-    def observe_round(self, batch_size: int, queued: int, undrafted: str | None) -> None:
-        """A round of `batch_size` requests; `undrafted`: why it drafted nothing (None: it drafted)."""
-        self.gather({self.undrafted[undrafted]: 1} if undrafted else {}, [(self.batch_size, batch_size)], queued)
+    def observe_round(self, batch_size: int, queued: int, undrafted: str | None, alone: bool) -> None:
+        """A round of `batch_size` requests; `undrafted`: why it drafted nothing (None: it
+        drafted); `alone`: the target verified it alone (`RoundReport.alone`)."""
+        counted = {self.undrafted[undrafted]: 1} if undrafted else {}
+        if alone:
+            counted[self.alone_rounds] = 1
+        self.gather(counted, [(self.batch_size, batch_size)], queued)
 
     def count_request(self, finish_reason: str) -> None:
         self.gather({self.finish_reason(finish_reason): 1})
@@ -279,10 +284,11 @@ class TritonPythonModel:
         # for requests sent as text_input
         self.codec = serving.TextCodec(parameters["tokenizer_dir"]) if parameters.get("tokenizer_dir") else None
 
-    def observe_round(self, batch) -> None:
+    def observe_round(self, batch, report) -> None:
         """In the scheduler's thread, after each round: the metrics go out from the outbox's."""
         self.batch = len(batch)
-        self.metrics.observe_round(self.batch, self.pipeline.queued, undrafted_reason([s.plan for s in batch]))
+        self.metrics.observe_round(self.batch, self.pipeline.queued, undrafted_reason([s.plan for s in batch]),
+                                   report.alone)
 
     def rounds_per_response(self) -> int:
         return rounds_per_response(self.stream_interval, self.batch)

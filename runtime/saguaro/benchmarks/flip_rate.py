@@ -94,7 +94,7 @@ def decode_all(pipeline: Pipeline, prompts, options: DecodeOptions | list[Decode
     """Every prompt decoded (with its own options when given a list), `batch` requests
     submitted together; the K of every round."""
     rounds: Counter[int] = Counter()
-    pipeline.observe_rounds(lambda sequences: rounds.update(s.verified for s in sequences))
+    pipeline.observe_rounds(lambda sequences, _: rounds.update(s.verified for s in sequences))
     outputs = []
     for start in range(0, len(prompts), batch):
         chunk = range(start, min(start + batch, len(prompts)))

@@ -16,7 +16,8 @@ figure moves by a tenth, more than the differences the load policy's targets ask
 about). Per mode and C: total output
 tokens/s, per-request inter-token latency and time to first token (p50/p99), and, from
 the server's metrics, the mean batch size, mean K per round and the share of rounds in
-which the clock overruled the load policy's choice to draft. A sampled check
+which the clock overruled the load policy's choice to draft, and the share the target
+verified alone (on its wide session, nothing of the draft's beside it). A sampled check
 (temperature 0.8, C = 1; `--sampled-top-p` adds top-p) follows. Figures are printed (and
 written as JSON and a PNG plot), never asserted: the targets of the load policy are
 printed as met or not.
@@ -88,6 +89,7 @@ class Level:
     itl_ms: list[float] = field(default_factory=list)   # each request's
     ttft_ms: list[float] = field(default_factory=list)  # each request's
     undrafted: dict = field(default_factory=dict)        # share of the rounds that drafted nothing, by why
+    alone: float = 0.0                                   # share of the rounds the target verified alone
 
 
 def merged(runs: list[Level]) -> Level:
@@ -106,7 +108,8 @@ def merged(runs: list[Level]) -> Level:
     return Level(first.mode, first.concurrency, sum(run.requests for run in runs), tokens, seconds, tokens / seconds,
                  percentile(itl, 0.5), percentile(itl, 0.99), percentile(ttft, 0.5), percentile(ttft, 0.99),
                  sum(share * run.mean_batch for share, run in zip(by_time, runs)),
-                 sum(share * run.mean_k for share, run in zip(by_time, runs)), cpu, len(runs), itl, ttft, undrafted)
+                 sum(share * run.mean_k for share, run in zip(by_time, runs)), cpu, len(runs), itl, ttft, undrafted,
+                 sum(share * run.alone for share, run in zip(by_time, runs)))
 
 
 def percentile(values: list[float], share: float) -> float:
@@ -188,7 +191,8 @@ def run_level(url: str, metrics_port: int, mode: Mode, concurrency: int, request
                  histogram_mean(before, after, "ssd_batch_size"),
                  growth_ratio(before, after, "ssd_verified_draft_tokens_total", "ssd_rounds_total"),
                  {name: round(1000 * seconds / max(tokens, 1), 4) for name, seconds in cpu.items()},
-                 itl_ms=itl, ttft_ms=ttft, undrafted=undrafted_shares(before, after))
+                 itl_ms=itl, ttft_ms=ttft, undrafted=undrafted_shares(before, after),
+                 alone=growth_ratio(before, after, "ssd_target_alone_rounds_total", "ssd_batch_size_count"))
 
 
 def undrafted_shares(before: str, after: str) -> dict[str, float]:
@@ -214,11 +218,12 @@ def print_level(level: Level) -> None:
     runs = f" ({level.runs} runs)" if level.runs > 1 else ""
     print(f"{level.mode:22s} {level.concurrency:4d} {level.tokens_per_s:9.1f} {level.itl_ms_p50:8.2f} "
           f"{level.itl_ms_p99:8.2f} {level.ttft_ms_p50:8.1f} {level.ttft_ms_p99:8.1f} "
-          f"{level.mean_batch:6.2f} {level.mean_k:5.2f} {level.undrafted.get('clock', 0.0):6.1%}{runs}", flush=True)
+          f"{level.mean_batch:6.2f} {level.mean_k:5.2f} {level.undrafted.get('clock', 0.0):6.1%} "
+          f"{level.alone:6.1%}{runs}", flush=True)
 
 
 HEADER = (f"{'mode':22s} {'C':>4s} {'tok/s':>9s} {'ITL p50':>8s} {'ITL p99':>8s} {'TTFT p50':>8s} "
-          f"{'TTFT p99':>8s} {'batch':>6s} {'K':>5s} {'clock':>6s}")
+          f"{'TTFT p99':>8s} {'batch':>6s} {'K':>5s} {'clock':>6s} {'alone':>6s}")
 
 
 def run_modes(args, modes: list[Mode], extra: dict, concurrency: tuple[int, ...], label: str) -> list[Level]:

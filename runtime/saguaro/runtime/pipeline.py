@@ -95,7 +95,8 @@ class Pipeline:
         return sum(scheduler.queued for scheduler in self.schedulers)
 
     def observe_rounds(self, on_round) -> None:
-        """Tell `on_round(batch)` of every round, after it ran."""
+        """Tell `on_round(batch, report)` of every round, after it ran (`report`: the
+        round's `RoundReport`, what it measured)."""
         for scheduler in self.schedulers:
             scheduler.on_round = on_round
 

@@ -15,7 +15,7 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from saguaro.runtime.control.load_policy import UNDRAFTED_REASONS, undrafted_reason
+from saguaro.runtime.control.load_policy import ALONE_ROUNDS_HELP, UNDRAFTED_REASONS, undrafted_reason
 
 # Tokens per second of one request; a tiny model on CPU reaches the thousands.
 TOKENS_PER_S_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
@@ -59,6 +59,8 @@ class WorkerMetrics:
         undrafted = Counter("ssd_undrafted_rounds", "Decoding rounds that drafted nothing, by why",
                             labels + ["reason"], registry=self.registry)
         self.undrafted = {reason: undrafted.labels(model, reason) for reason in UNDRAFTED_REASONS}
+        self.alone_rounds = Counter("ssd_target_alone_rounds", ALONE_ROUNDS_HELP, labels,
+                                   registry=self.registry).labels(model)
         self.model = model
         self.lock = threading.Lock()
 
@@ -66,14 +68,16 @@ class WorkerMetrics:
         with self.lock:
             self.in_flight.inc()
 
-    def observe_round(self, batch, queued: int) -> None:
+    def observe_round(self, batch, report, queued: int) -> None:
         """The scheduler's round observer: the requests in the round, why it drafted nothing
-        (if it did not), the queue."""
+        (if it did not), whether the target verified it alone, the queue."""
         reason = undrafted_reason([sequence.plan for sequence in batch])
         with self.lock:
             self.batch_size.observe(len(batch))
             if reason:
                 self.undrafted[reason].inc()
+            if report.alone:
+                self.alone_rounds.inc()
             self.queued.set(queued)
 
     def finished(self, finish_reason: str, output_tokens: int, stats: dict) -> None:

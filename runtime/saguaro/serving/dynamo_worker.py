@@ -161,7 +161,7 @@ class SsdHandler:
         self.pipeline, self.defaults, self.limits = pipeline, defaults, limits
         self.metrics, self.max_queue = metrics, max_queue
         self.generations = lifecycle.Generations()
-        pipeline.observe_rounds(lambda batch: metrics.observe_round(batch, pipeline.queued))
+        pipeline.observe_rounds(lambda batch, report: metrics.observe_round(batch, report, pipeline.queued))
 
     def admit(self, request: dict) -> Admitted:
         """Check the request whole and register it; Dynamo's typed error otherwise."""

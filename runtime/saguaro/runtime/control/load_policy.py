@@ -127,6 +127,9 @@ class Plan:
 # for all held through joins and leaves (`_quiet_holds`), the model priced every K below
 # K = 0; "asked": no request in it may draft (each pinned K = 0, or has no room left).
 UNDRAFTED_REASONS = ("clock", "held", "priced", "asked")
+# the servers' count of `RoundReport.alone` rounds (both servers' metric says it the same way)
+ALONE_ROUNDS_HELP = ("Decoding rounds the target verified alone: nothing of the draft's beside it, "
+                     "on its wide session (all its threads) where it has one")
 
 
 def undrafted_reason(plans) -> str | None:
@@ -270,15 +273,19 @@ class LoadPolicy:
         for counts in (own, self.shared[greedy]):
             counts.record_lookup(hit)
 
-    def calibrate(self) -> None:
+    def calibrate(self, measuring: bool = True) -> None:
         """Costs to start from: the engines' calibration where it was taken on this machine
-        (at build time), else one measured now the same way (`control.calibration`). The
-        decoder calls it before the first requests the policy steers take their KV slots
-        (measuring needs one of each engine's)."""
+        (at build time), else, if `measuring`, one measured now the same way
+        (`control.calibration`). The decoder calls it before the first requests take their
+        KV slots (measuring needs one of each engine's), measuring only for requests the
+        policy steers: a stored calibration also starts right the choice of the target's
+        session for autoregressive rounds, which is not worth a measurement of seconds."""
         if self.verify_cost.shaped and self.draft_cost.shaped:
             return
         target, draft = self._engines
         stored = target.info.calibration
+        if not (measuring or (stored is not None and stored.measured_here)):
+            return
         calibration = (stored if stored is not None and stored.measured_here
                        else measure_calibration(target, draft, alone=self.alone))
         # the curves start again from the calibration: what rounds measured before it was

@@ -262,8 +262,7 @@ class Decoder:
         """New sequences: the target prefills their prompts (one batched forward, on both
         cores where it may run alone: nothing of the draft's runs between rounds); the
         draft drafts their first proposals in their first round, as the policy plans it."""
-        if any(request.options.steered for request in requests):
-            self.load_policy.calibrate()
+        self.load_policy.calibrate(measuring=any(request.options.steered for request in requests))
         sequences = [Sequence(request, self.target, self.draft) for request in requests]
         self._round_started = None  # the period until the next round holds this prefill: no round's own
         prefilled = [(s, step) for s in sequences if (step := s.verifier.prefill(s.request.prompt_ids))]
@@ -275,7 +274,7 @@ class Decoder:
             sequence.stats.prefill_s += prefilling.seconds
         return sequences
 
-    def decode_round(self, batch: list[Sequence]) -> None:
+    def decode_round(self, batch: list[Sequence]) -> RoundReport:
         """One round for every sequence of the batch (docs/design.md section 1), timed: what
         the forwards and waits leave over is the round's host work. The load policy gets
         the round's report, and the last round's period (from its start to this one's)."""
@@ -287,6 +286,7 @@ class Decoder:
             report = self._round(batch)
         report.host_s = whole.seconds - report.verify_s - report.wait_s - report.draft_s
         self.load_policy.observe_round(report)
+        return report
 
     def _round(self, batch: list[Sequence]) -> RoundReport:
         """The round itself: plan, draft what is missing, verify while the worker

@@ -26,11 +26,12 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Callable
 
+from saguaro.runtime.control.load_policy import RoundReport
 from saguaro.runtime.decoding.decoder import Decoder, Request, Sequence
 
 LOG = logging.getLogger(__name__)
 
-OnRound = Callable[[list[Sequence]], None]  # told of each round's batch, after it ran
+OnRound = Callable[[list[Sequence], RoundReport], None]  # told of each round's batch and report, after it ran
 
 
 class Scheduler:
@@ -128,7 +129,7 @@ class Scheduler:
     def _round(self, active: list[tuple[Sequence, Future]]) -> None:
         batch = [sequence for sequence, _ in active]
         try:
-            self.decoder.decode_round(batch)
+            report = self.decoder.decode_round(batch)
         except Exception as error:  # noqa: BLE001 - a failed round fails its batch, not the server
             for sequence, future in active:
                 sequence.finish()  # frees its KV slots
@@ -137,6 +138,6 @@ class Scheduler:
             return
         if self.on_round is not None:
             try:
-                self.on_round(batch)
+                self.on_round(batch, report)
             except Exception:  # noqa: BLE001 - an observer that fails must not stop the decoding thread
                 LOG.exception("the round observer failed; decoding goes on")
