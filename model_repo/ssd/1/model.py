@@ -32,7 +32,7 @@ import numpy as np
 
 import triton_python_backend_utils as pb_utils
 
-from saguaro.runtime.control.load_policy import UNDRAFTED_REASONS, ALONE_ROUNDS_HELP, undrafted_reason
+from saguaro.runtime.control.load_policy import ALONE_ROUNDS_HELP, UNDRAFTED_REASONS, undrafted_reason
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.serving import lifecycle
 from saguaro.serving import requests as serving
