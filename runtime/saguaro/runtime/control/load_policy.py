@@ -273,19 +273,15 @@ class LoadPolicy:
         for counts in (own, self.shared[greedy]):
             counts.record_lookup(hit)
 
-    def calibrate(self, measuring: bool = True) -> None:
+    def calibrate(self) -> None:
         """Costs to start from: the engines' calibration where it was taken on this machine
-        (at build time), else, if `measuring`, one measured now the same way
-        (`control.calibration`). The decoder calls it before the first requests take their
-        KV slots (measuring needs one of each engine's), measuring only for requests the
-        policy steers: a stored calibration also starts right the choice of the target's
-        session for autoregressive rounds, which is not worth a measurement of seconds."""
+        (at build time), else one measured now the same way (`control.calibration`). The
+        decoder calls it before the first requests the policy steers take their KV slots
+        (measuring needs one of each engine's)."""
         if self.verify_cost.shaped and self.draft_cost.shaped:
             return
         target, draft = self._engines
         stored = target.info.calibration
-        if not (measuring or (stored is not None and stored.measured_here)):
-            return
         calibration = (stored if stored is not None and stored.measured_here
                        else measure_calibration(target, draft, alone=self.alone))
         # the curves start again from the calibration: what rounds measured before it was

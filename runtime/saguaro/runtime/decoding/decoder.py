@@ -262,7 +262,8 @@ class Decoder:
         """New sequences: the target prefills their prompts (one batched forward, on both
         cores where it may run alone: nothing of the draft's runs between rounds); the
         draft drafts their first proposals in their first round, as the policy plans it."""
-        self.load_policy.calibrate(measuring=any(request.options.steered for request in requests))
+        if any(request.options.steered for request in requests):
+            self.load_policy.calibrate()
         sequences = [Sequence(request, self.target, self.draft) for request in requests]
         self._round_started = None  # the period until the next round holds this prefill: no round's own
         prefilled = [(s, step) for s in sequences if (step := s.verifier.prefill(s.request.prompt_ids))]
