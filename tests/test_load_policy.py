@@ -553,6 +553,24 @@ def tiny_reference(tiny_pair):
     return target, prompt, expected, never
 
 
+def test_a_request_that_drafts_nothing_is_not_steered_even_with_adapt_k(tiny_pair, tiny_reference):
+    """The servers turn `adapt_k` on for every request that names no K, autoregressive ones
+    too: those leave the policy nothing to choose, so their rounds are "asked" (as a client
+    asked), never "held" or "priced", and they bring no calibration."""
+    target, prompt, expected, _ = tiny_reference
+    assert not DecodeOptions(mode="autoregressive", adapt_k=True).steered
+    assert not DecodeOptions(mode="ssd", num_draft_tokens=0, fanout=(0,), adapt_k=True, budget="auto").steered
+    assert DecodeOptions(mode="ssd", adapt_k=True).steered and DecodeOptions(mode="ssd", budget="auto").steered
+    pipeline = Pipeline(target, TorchEngine(tiny_pair / "draft"))
+    options = DecodeOptions(mode="autoregressive", adapt_k=True, max_tokens=40, eos_token_id=-1)
+    generation, plans = plans_of_one_request(pipeline, prompt, options, SamplingParams())
+    policy = pipeline.schedulers[0].decoder.load_policy
+    pipeline.close()
+    assert generation.output_ids == expected[:40]
+    assert len(plans) == 40 and all(undrafted_reason([plan]) == "asked" for plan in plans)
+    assert not policy.verify_cost.shaped  # no calibration measured for it
+
+
 def test_a_draft_that_never_agrees_is_switched_off_and_probed(tiny_pair, tiny_reference):
     """K = 0 after a few rounds, then probe rounds PROBE_PERIOD apart, twice that after a
     rejected probe, and so on (a rejected probe is not followed by another), and the

@@ -69,10 +69,17 @@ class DecodeOptions:
         return self.mode == "ssd" and self.prespeculate and self.num_draft_tokens > 0 and places_branches
 
     @property
+    def adapts(self) -> bool:
+        """Its K per round is the load policy's: `adapt_k`, for a request that may draft (an
+        autoregressive one, or one of K = 0, leaves the policy nothing to choose, though the
+        servers' default turns `adapt_k` on for every request that does not name its K)."""
+        return self.adapt_k and self.draft_tokens > 0
+
+    @property
     def steered(self) -> bool:
-        """The load policy decides something for it: its K (`adapt_k`), or the size of its
+        """The load policy decides something for it: its K (`adapts`), or the size of its
         "auto" budget (and, with either, whether a round pre-speculates)."""
-        return self.adapt_k or self.budget == "auto"
+        return self.adapts or (self.budget == "auto" and self.draft_tokens > 0)
 
     def fanout_policy(self, max_branches: int | None = None) -> StaticFanout | OnlineBudget:
         """Where the branches go; `max_branches` (the engines' limit) caps an "auto" budget,

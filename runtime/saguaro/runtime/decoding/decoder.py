@@ -136,7 +136,7 @@ class Sequence:
         sampled request's output is distributed as the target's for every K, but K changes
         which tokens a seed draws: its seed replays exactly when the same K are chosen, as
         with K pinned (`adapt_k` off: `--fixed-k`, or a request that names its K)."""
-        return self.request.options.adapt_k
+        return self.request.options.adapts
 
     @property
     def steered(self) -> bool:
