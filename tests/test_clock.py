@@ -5,7 +5,8 @@ from test_load_policy import FakeSequence, measured, policy_with
 
 from saguaro.runtime.control.acceptance import Acceptance
 from saguaro.runtime.control.clock import RETRY_ROUNDS, UNDRAFTED_EVERY, UNMEASURED_EVERY, VETO_ROUNDS, ClockCheck
-from saguaro.runtime.control.load_policy import LoadPolicy, Plan, RoundReport, SequenceRound, undrafted_reason
+from saguaro.runtime.control.load_policy import LoadPolicy
+from saguaro.runtime.control.round_report import Plan, RoundReport, SequenceRound, undrafted_reason
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.pipeline import Pipeline
@@ -67,7 +68,7 @@ def rounds_by_the_clock(policy: LoadPolicy, batch: list[FakeSequence], rounds: i
         plans = policy.choose(batch)
         for sequence, plan in zip(batch, plans):
             sequence.plan = plan
-        report = RoundReport(len(batch), 0, verify_s=0.001, alone=False, drafted=any(p.draft_tokens for p in plans),
+        report = RoundReport(len(batch), 0, verify_s=0.001, alone=False, undrafted=undrafted_reason(plans),
                              sequences=[SequenceRound(Acceptance(), True, plan.draft_tokens,
                                                       min(accepted, plan.draft_tokens)) for plan in plans])
         policy.observe_round(report)

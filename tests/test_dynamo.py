@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from saguaro.runtime.control.load_policy import UNDRAFTED_REASONS
+from saguaro.runtime.control.round_report import UNDRAFTED_REASONS
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.pipeline import Pipeline

@@ -133,16 +133,19 @@ def test_the_worker_metrics_count_rounds_drafts_and_requests():
     pytest.importorskip("prometheus_client", reason="the dynamo extra is not installed")
     from types import SimpleNamespace
 
-    from saguaro.runtime.control.load_policy import Plan
+    from saguaro.runtime.control.round_report import Plan, RoundReport, undrafted_reason
     from saguaro.serving.dynamo_metrics import WorkerMetrics
     from saguaro.serving.served_metrics import metric
 
+    def round_of(plans: list[Plan], alone: bool):
+        """A round's batch and its report, as the decoder makes them."""
+        report = RoundReport(len(plans), len(plans), 0.001, alone, undrafted=undrafted_reason(plans))
+        return [SimpleNamespace(plan=plan) for plan in plans], report
+
     metrics = WorkerMetrics("tiny")
     metrics.started()
-    metrics.observe_round([SimpleNamespace(plan=Plan(2)), SimpleNamespace(plan=Plan(0, undrafted="priced"))],
-                          SimpleNamespace(alone=False), queued=2)
-    metrics.observe_round([SimpleNamespace(plan=Plan(0, undrafted="clock")), SimpleNamespace(plan=Plan(0))],
-                          SimpleNamespace(alone=True), queued=1)
+    metrics.observe_round(*round_of([Plan(2), Plan(0, undrafted="priced")], alone=False), queued=2)
+    metrics.observe_round(*round_of([Plan(0, undrafted="clock"), Plan(0)], alone=True), queued=1)
     metrics.finished("stop", 7, {"rounds": 3, "accepted_histogram": [1, 0, 2], "drafted_tokens": 5, "cache_hits": 2,
                                  "cache_misses": 1, "tokens_per_s": 50.0})
     metrics.refused("rejected")

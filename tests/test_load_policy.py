@@ -18,11 +18,9 @@ from saguaro.runtime.control.load_policy import (
     QUIET_ROUNDS,
     REPLAN_ROUNDS,
     LoadPolicy,
-    Plan,
-    RoundReport,
     probe_period,
-    undrafted_reason,
 )
+from saguaro.runtime.control.round_report import Plan, RoundReport, undrafted_reason
 from saguaro.runtime.core.contracts import Rows, Step
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
@@ -366,7 +364,7 @@ def test_a_probes_round_is_measured_against_its_price_without_the_probe():
     sequence = FakeSequence(plan=Plan(0, quiet=PROBE_PERIOD))
     plan = policy.choose([sequence])[0]
     assert plan.probe and policy._probe_priced is not None
-    policy.observe_round(RoundReport(1, 2, verify_s=policy._probe_priced + 0.012, alone=True, drafted=True))
+    policy.observe_round(RoundReport(1, 2, verify_s=policy._probe_priced + 0.012, alone=True, undrafted=None))
     assert policy.probe_cost == pytest.approx(0.012)
 
 
@@ -463,7 +461,7 @@ def rounds_measured_at(policy: LoadPolicy, batch: list[FakeSequence], rounds: in
             sequence.plan = plan
         modelled, undrafted, _ = policy._modelled or (0.02, 0.02, False)  # the model's prices of the round
         report = RoundReport(len(batch), 0, verify_s=undrafted + mispriced * (modelled - undrafted), alone=False,
-                             drafted=any(plan.draft_tokens for plan in plans))
+                             undrafted=undrafted_reason(plans))
         policy.observe_round(report)
         drafted.append(sum(plan.draft_tokens for plan in plans))
     return drafted

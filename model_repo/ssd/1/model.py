@@ -32,17 +32,15 @@ import numpy as np
 
 import triton_python_backend_utils as pb_utils
 
-from saguaro.runtime.control.load_policy import ALONE_ROUNDS_HELP, UNDRAFTED_REASONS, undrafted_reason
+from saguaro.runtime.control.round_report import UNDRAFTED_REASONS
 from saguaro.runtime.pipeline import Pipeline
 from saguaro.serving import lifecycle
+from saguaro.serving import metric_families
 from saguaro.serving import requests as serving
 from saguaro.serving.responses import Timing, Urgent, start_request
 from saguaro.serving.settings import DEFAULT_MAX_QUEUE, DEFAULT_STREAM_INTERVAL, parse_stream_interval, rounds_per_response
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# Tokens per second of one request; a tiny model on CPU reaches the thousands.
-TOKENS_PER_S_BUCKETS = [1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000]
-BATCH_SIZE_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 
 
 def load_pipeline(parameters: dict):
@@ -161,32 +159,21 @@ class SsdMetrics:
         self.labels = {"model": model, "version": version}
         self.post = post
         self.families = []  # a family must outlive its metrics: keep every one referenced
-        self.counters = {name: self.counter(f"ssd_{name}_total", help_text) for name, help_text in (
-            ("generated_tokens", "Tokens generated"),
-            ("rounds", "Decoding rounds (one target verification each)"),
-            ("accepted_draft_tokens", "Draft tokens the target accepted"),
-            ("verified_draft_tokens", "Draft tokens the target verified"),
-            ("cache_hits", "Rounds whose outcome was pre-speculated (SSD cache hits)"),
-            ("cache_misses", "Rounds whose outcome was not pre-speculated"))}
-        self.requests = self.family("ssd_requests_total", "Requests by finish reason",
-                                    pb_utils.MetricFamily.COUNTER)
+        self.counters = {name: self.counter(f"ssd_{name}_total", help_text)
+                         for name, help_text in metric_families.GENERATION_COUNTERS.items()}
+        self.requests = self.family("ssd_requests_total", metric_families.REQUESTS_HELP, pb_utils.MetricFamily.COUNTER)
         self.by_reason = {}
-        self.in_flight = self.family("ssd_requests_in_flight", "Generations running or waiting for a worker",
-                                     pb_utils.MetricFamily.GAUGE).Metric(labels=self.labels)
-        self.tokens_per_s = self.family("ssd_request_tokens_per_second",
-                                        "Generated tokens per second of each request",
-                                        pb_utils.MetricFamily.HISTOGRAM
-                                        ).Metric(labels=self.labels, buckets=TOKENS_PER_S_BUCKETS)
-        self.queued = self.family("ssd_requests_queued", "Requests waiting for a KV slot",
-                                  pb_utils.MetricFamily.GAUGE).Metric(labels=self.labels)
-        self.batch_size = self.family("ssd_batch_size", "Requests in each decoding round",
-                                      pb_utils.MetricFamily.HISTOGRAM
-                                      ).Metric(labels=self.labels, buckets=BATCH_SIZE_BUCKETS)
-        undrafted = self.family("ssd_undrafted_rounds_total", "Decoding rounds that drafted nothing, by why",
+        self.in_flight = self.gauge("ssd_requests_in_flight", metric_families.IN_FLIGHT_HELP)
+        self.tokens_per_s = self.histogram("ssd_request_tokens_per_second", metric_families.TOKENS_PER_S_HELP,
+                                           metric_families.TOKENS_PER_S_BUCKETS)
+        self.queued = self.gauge("ssd_requests_queued", metric_families.QUEUED_HELP)
+        self.batch_size = self.histogram("ssd_batch_size", metric_families.BATCH_SIZE_HELP,
+                                         metric_families.BATCH_SIZE_BUCKETS)
+        undrafted = self.family("ssd_undrafted_rounds_total", metric_families.UNDRAFTED_HELP,
                                 pb_utils.MetricFamily.COUNTER)
         self.undrafted = {reason: undrafted.Metric(labels={**self.labels, "reason": reason})
                           for reason in UNDRAFTED_REASONS}
-        self.alone_rounds = self.counter("ssd_target_alone_rounds_total", ALONE_ROUNDS_HELP)
+        self.alone_rounds = self.counter("ssd_target_alone_rounds_total", metric_families.ALONE_ROUNDS_HELP)
         self.lock = threading.Lock()
         # gathered, not sent yet: increments by metric, histogram observations, the queue's size
         self.increments: collections.Counter = collections.Counter()
@@ -200,6 +187,13 @@ class SsdMetrics:
 
     def counter(self, name: str, description: str):
         return self.family(name, description, pb_utils.MetricFamily.COUNTER).Metric(labels=self.labels)
+
+    def gauge(self, name: str, description: str):
+        return self.family(name, description, pb_utils.MetricFamily.GAUGE).Metric(labels=self.labels)
+
+    def histogram(self, name: str, description: str, buckets):
+        return self.family(name, description, pb_utils.MetricFamily.HISTOGRAM
+                           ).Metric(labels=self.labels, buckets=list(buckets))
 
     def change_in_flight(self, delta: int) -> None:
         self.gather({self.in_flight: delta})
@@ -223,10 +217,7 @@ class SsdMetrics:
     def record(self, outcome) -> None:
         """A finished request's figures."""
         stats = outcome.stats
-        figures = {"generated_tokens": len(outcome.output_ids), "rounds": stats["rounds"],
-                   "accepted_draft_tokens": sum(a * n for a, n in enumerate(stats["accepted_histogram"])),
-                   "verified_draft_tokens": stats["drafted_tokens"],
-                   "cache_hits": stats["cache_hits"], "cache_misses": stats["cache_misses"]}
+        figures = metric_families.generation_figures(len(outcome.output_ids), stats)
         increments = {self.counters[name]: value for name, value in figures.items()}
         increments[self.finish_reason(outcome.finish_reason)] = 1
         observed = [(self.tokens_per_s, stats["tokens_per_s"])] if outcome.output_ids else []
@@ -287,8 +278,7 @@ class TritonPythonModel:
     def observe_round(self, batch, report) -> None:
         """In the scheduler's thread, after each round: the metrics go out from the outbox's."""
         self.batch = len(batch)
-        self.metrics.observe_round(self.batch, self.pipeline.queued, undrafted_reason([s.plan for s in batch]),
-                                   report.alone)
+        self.metrics.observe_round(self.batch, self.pipeline.queued, report.undrafted, report.alone)
 
     def rounds_per_response(self) -> int:
         return rounds_per_response(self.stream_interval, self.batch)

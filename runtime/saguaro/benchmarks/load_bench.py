@@ -40,7 +40,7 @@ import tritonclient.grpc as grpcclient
 from saguaro.benchmarks.cpu_profile import server_processes, snapshot, spent
 from saguaro.benchmarks.figures import pyplot, save
 from saguaro.runtime.arguments import DECODE_DEFAULTS
-from saguaro.runtime.control.load_policy import UNDRAFTED_REASONS
+from saguaro.runtime.control.round_report import UNDRAFTED_REASONS
 from saguaro.runtime.models.prompts import PROMPTS
 from saguaro.serving.client import complete, ensemble_inputs, tensor
 from saguaro.serving.launch import parse_args as serve_args

@@ -1,7 +1,7 @@
 """The SSD figures of one Dynamo worker as Prometheus metrics, served by Dynamo itself.
 
-The same families as the Triton `ssd` model's custom metrics (`ssd_generated_tokens_total`,
-`ssd_cache_hits_total`, ...), so one dashboard reads either server. The acceptance rate
+The same families as the Triton `ssd` model's custom metrics (`metric_families`:
+`ssd_generated_tokens_total`, `ssd_cache_hits_total`, ...), so one dashboard reads either server. The acceptance rate
 and K per round are ratios of counters: `rate(ssd_accepted_draft_tokens_total) /
 rate(ssd_verified_draft_tokens_total)`, `rate(ssd_verified_draft_tokens_total) /
 rate(ssd_rounds_total)`. They live
@@ -15,27 +15,20 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from saguaro.runtime.control.load_policy import ALONE_ROUNDS_HELP, UNDRAFTED_REASONS, undrafted_reason
-
-# Tokens per second of one request; a tiny model on CPU reaches the thousands.
-TOKENS_PER_S_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
-BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-COUNTERS = {  # name (without _total) -> help; summed over finished requests
-    "ssd_generated_tokens": "Tokens generated",
-    "ssd_rounds": "Decoding rounds (one target verification each)",
-    "ssd_accepted_draft_tokens": "Draft tokens the target accepted",
-    "ssd_verified_draft_tokens": "Draft tokens the target verified",
-    "ssd_cache_hits": "Rounds whose outcome was pre-speculated (SSD cache hits)",
-    "ssd_cache_misses": "Rounds whose outcome was not pre-speculated",
-}
-
-
-def generation_figures(output_tokens: int, stats: dict) -> dict[str, int]:
-    """A finished generation's contribution to each counter."""
-    return {"ssd_generated_tokens": output_tokens, "ssd_rounds": stats["rounds"],
-            "ssd_accepted_draft_tokens": sum(a * n for a, n in enumerate(stats["accepted_histogram"])),
-            "ssd_verified_draft_tokens": stats["drafted_tokens"],
-            "ssd_cache_hits": stats["cache_hits"], "ssd_cache_misses": stats["cache_misses"]}
+from saguaro.runtime.control.round_report import UNDRAFTED_REASONS
+from saguaro.serving.metric_families import (
+    ALONE_ROUNDS_HELP,
+    BATCH_SIZE_BUCKETS,
+    BATCH_SIZE_HELP,
+    GENERATION_COUNTERS,
+    IN_FLIGHT_HELP,
+    QUEUED_HELP,
+    REQUESTS_HELP,
+    TOKENS_PER_S_BUCKETS,
+    TOKENS_PER_S_HELP,
+    UNDRAFTED_HELP,
+    generation_figures,
+)
 
 
 class WorkerMetrics:
@@ -44,23 +37,19 @@ class WorkerMetrics:
     def __init__(self, model: str):
         self.registry = CollectorRegistry()
         labels = ["model"]
-        self.counters = {name: Counter(name, help_text, labels, registry=self.registry).labels(model)
-                         for name, help_text in COUNTERS.items()}
-        self.requests = Counter("ssd_requests", "Requests by finish reason", labels + ["finish_reason"],
-                                registry=self.registry)
-        self.in_flight = Gauge("ssd_requests_in_flight", "Generations running or waiting for a KV slot", labels,
-                               registry=self.registry).labels(model)
-        self.queued = Gauge("ssd_requests_queued", "Requests waiting for a KV slot", labels,
-                            registry=self.registry).labels(model)
-        self.tokens_per_s = Histogram("ssd_request_tokens_per_second", "Generated tokens per second of each request",
-                                      labels, buckets=TOKENS_PER_S_BUCKETS, registry=self.registry).labels(model)
-        self.batch_size = Histogram("ssd_batch_size", "Requests in each decoding round", labels,
+        self.counters = {name: Counter(f"ssd_{name}", help_text, labels, registry=self.registry).labels(model)
+                         for name, help_text in GENERATION_COUNTERS.items()}
+        self.requests = Counter("ssd_requests", REQUESTS_HELP, labels + ["finish_reason"], registry=self.registry)
+        self.in_flight = Gauge("ssd_requests_in_flight", IN_FLIGHT_HELP, labels, registry=self.registry).labels(model)
+        self.queued = Gauge("ssd_requests_queued", QUEUED_HELP, labels, registry=self.registry).labels(model)
+        self.tokens_per_s = Histogram("ssd_request_tokens_per_second", TOKENS_PER_S_HELP, labels,
+                                      buckets=TOKENS_PER_S_BUCKETS, registry=self.registry).labels(model)
+        self.batch_size = Histogram("ssd_batch_size", BATCH_SIZE_HELP, labels,
                                     buckets=BATCH_SIZE_BUCKETS, registry=self.registry).labels(model)
-        undrafted = Counter("ssd_undrafted_rounds", "Decoding rounds that drafted nothing, by why",
-                            labels + ["reason"], registry=self.registry)
+        undrafted = Counter("ssd_undrafted_rounds", UNDRAFTED_HELP, labels + ["reason"], registry=self.registry)
         self.undrafted = {reason: undrafted.labels(model, reason) for reason in UNDRAFTED_REASONS}
         self.alone_rounds = Counter("ssd_target_alone_rounds", ALONE_ROUNDS_HELP, labels,
-                                   registry=self.registry).labels(model)
+                                    registry=self.registry).labels(model)
         self.model = model
         self.lock = threading.Lock()
 
@@ -71,11 +60,10 @@ class WorkerMetrics:
     def observe_round(self, batch, report, queued: int) -> None:
         """The scheduler's round observer: the requests in the round, why it drafted nothing
         (if it did not), whether the target verified it alone, the queue."""
-        reason = undrafted_reason([sequence.plan for sequence in batch])
         with self.lock:
             self.batch_size.observe(len(batch))
-            if reason:
-                self.undrafted[reason].inc()
+            if report.undrafted:
+                self.undrafted[report.undrafted].inc()
             if report.alone:
                 self.alone_rounds.inc()
             self.queued.set(queued)

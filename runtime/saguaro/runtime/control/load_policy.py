@@ -79,6 +79,7 @@ from saguaro.runtime.control.acceptance import UNSEEN_ACCEPTANCE, UNSEEN_HIT_RAT
 from saguaro.runtime.control.calibration import measure_calibration
 from saguaro.runtime.control.clock import ClockCheck
 from saguaro.runtime.control.costs import FOLLOWING, MOST_BRANCHES, CostCurve, LinearCost, Misprediction, hidden_branches
+from saguaro.runtime.control.round_report import Plan, RoundReport
 
 SHARED_FADING = 0.995             # of the acceptance counts shared by all requests (per round with drafts)
 PROBE_PERIOD = 32   # rounds: with speculation off, a request drafts in one round of this many ...
@@ -106,67 +107,6 @@ QUIET_BACKOFF = 3
 # had inflated took hundreds of rounds to come back (a third of an autoregressive run at 4
 # streams verified on the one-thread session, 22.2 ms a round against 19.8 on both threads).
 TRIAL_FOLLOWING = 0.5
-
-
-@dataclass
-class Plan:
-    """What a round does for one request: drafts to verify, whether to pre-speculate
-    their outcomes, and the branches it may use."""
-
-    draft_tokens: int
-    prespeculate: bool = True
-    branches: int | None = None  # None: as many as the request's fan-out places
-    quiet: int = 0               # rounds in a row, this one included, that the policy had it draft nothing
-    probe: bool = False          # drafts only so that acceptance is measured (speculation is off)
-    rejected_probes: int = 0     # probes in a row, since speculation was last on, that accepted nothing
-    undrafted: str | None = None  # K = 0 for a request that may draft: why (UNDRAFTED_REASONS)
-
-
-# Why a round drafted nothing, the most telling first: the clock overruled the model's
-# choice (a veto, or one of the rounds that keep speculation off measured), a choice of K = 0
-# for all held through joins and leaves (`_quiet_holds`), the model priced every K below
-# K = 0; "asked": no request in it may draft (each pinned K = 0, or has no room left).
-UNDRAFTED_REASONS = ("clock", "held", "priced", "asked")
-# the servers' count of `RoundReport.alone` rounds (both servers' metric says it the same way)
-ALONE_ROUNDS_HELP = ("Decoding rounds the target verified alone: nothing of the draft's beside it, "
-                     "on its wide session (all its threads) where it has one")
-
-
-def undrafted_reason(plans) -> str | None:
-    """Why a round with these plans drafted nothing (`UNDRAFTED_REASONS`); None: it drafted."""
-    if any(plan.draft_tokens for plan in plans):
-        return None
-    reasons = {plan.undrafted for plan in plans}
-    return next((reason for reason in UNDRAFTED_REASONS if reason in reasons), "asked")
-
-
-@dataclass
-class SequenceRound:
-    """One request's part of a round: its acceptance counts, the drafts verified and
-    accepted, and the speculation-cache lookup (None: it pre-speculated nothing)."""
-
-    acceptance: Acceptance
-    greedy: bool
-    verified: int
-    accepted: int
-    hit: bool | None = None
-
-
-@dataclass
-class RoundReport:
-    """What one round of the decoding loop measured, handed to its observers at once."""
-
-    requests: int
-    verified_tokens: int                  # tokens the target's verification fed
-    verify_s: float
-    alone: bool                           # verified on the wide session, nothing beside it
-    wait_s: float = 0.0                   # for the draft worker after the verification
-    draft_s: float = 0.0                  # ordinary drafting on the critical path
-    drafting: tuple[int, int] | None = None        # (requests, steps) of steady ordinary drafting
-    prespeculation: tuple[int, int, float] | None = None  # (branch rows, steps, seconds)
-    sequences: list[SequenceRound] = field(default_factory=list)
-    drafted: bool = False                 # some request's plan drafted this round
-    host_s: float = 0.0                   # what the round took beyond its forwards and waits
 
 
 class LoadPolicy:

@@ -24,7 +24,8 @@ from typing import Callable
 from typing import Sequence as Seq
 
 from saguaro.runtime.control.acceptance import Acceptance
-from saguaro.runtime.control.load_policy import LoadPolicy, Plan, RoundReport, SequenceRound
+from saguaro.runtime.control.load_policy import LoadPolicy
+from saguaro.runtime.control.round_report import Plan, RoundReport, SequenceRound, undrafted_reason
 from saguaro.runtime.core.contracts import Draft, RequestTarget, SpeculationCache, VerifyResult, VerifyStep, draft_cache_capacity
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
@@ -316,7 +317,7 @@ class Decoder:
                 catching.result()
         report = RoundReport(len(batch), tokens, verifying.seconds, alone, waiting.seconds, drafting_s, drafting,
                              prespeculation_measured(speculating, list(speculations.values())),
-                             drafted=any(sequence.plan.draft_tokens for sequence in batch))
+                             undrafted=undrafted_reason([sequence.plan for sequence in batch]))
         for sequence, outcome in zip(batch, outcomes):
             sequence.stats.verify_s += verifying.seconds
             sequence.stats.wait_s += waiting.seconds

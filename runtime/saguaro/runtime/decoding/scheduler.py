@@ -26,7 +26,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Callable
 
-from saguaro.runtime.control.load_policy import RoundReport
+from saguaro.runtime.control.round_report import RoundReport
 from saguaro.runtime.decoding.decoder import Decoder, Request, Sequence
 
 LOG = logging.getLogger(__name__)

@@ -1,0 +1,70 @@
+"""What the load policy plans for each request of a round, and what the round reports
+back: the decoder fills a `RoundReport` once per round and hands it to the load policy and
+to the servers' round observers (their metrics read the same report)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from saguaro.runtime.control.acceptance import Acceptance
+
+
+@dataclass
+class Plan:
+    """What a round does for one request: drafts to verify, whether to pre-speculate
+    their outcomes, and the branches it may use."""
+
+    draft_tokens: int
+    prespeculate: bool = True
+    branches: int | None = None  # None: as many as the request's fan-out places
+    quiet: int = 0               # rounds in a row, this one included, that the policy had it draft nothing
+    probe: bool = False          # drafts only so that acceptance is measured (speculation is off)
+    rejected_probes: int = 0     # probes in a row, since speculation was last on, that accepted nothing
+    undrafted: str | None = None  # K = 0 for a request that may draft: why (UNDRAFTED_REASONS)
+
+
+# Why a round drafted nothing, the most telling first: the clock overruled the model's
+# choice (a veto, or one of the rounds that keep speculation off measured), a choice of K = 0
+# for all held through joins and leaves (`_quiet_holds`), the model priced every K below
+# K = 0; "asked": no request in it may draft (each pinned K = 0, or has no room left).
+UNDRAFTED_REASONS = ("clock", "held", "priced", "asked")
+
+
+def undrafted_reason(plans) -> str | None:
+    """Why a round with these plans drafted nothing (`UNDRAFTED_REASONS`); None: it drafted."""
+    if any(plan.draft_tokens for plan in plans):
+        return None
+    reasons = {plan.undrafted for plan in plans}
+    return next((reason for reason in UNDRAFTED_REASONS if reason in reasons), "asked")
+
+
+@dataclass
+class SequenceRound:
+    """One request's part of a round: its acceptance counts, the drafts verified and
+    accepted, and the speculation-cache lookup (None: it pre-speculated nothing)."""
+
+    acceptance: Acceptance
+    greedy: bool
+    verified: int
+    accepted: int
+    hit: bool | None = None
+
+
+@dataclass
+class RoundReport:
+    """What one round of the decoding loop measured, handed to its observers at once."""
+
+    requests: int
+    verified_tokens: int                  # tokens the target's verification fed
+    verify_s: float
+    alone: bool                           # verified on the wide session, nothing beside it
+    wait_s: float = 0.0                   # for the draft worker after the verification
+    draft_s: float = 0.0                  # ordinary drafting on the critical path
+    drafting: tuple[int, int] | None = None        # (requests, steps) of steady ordinary drafting
+    prespeculation: tuple[int, int, float] | None = None  # (branch rows, steps, seconds)
+    sequences: list[SequenceRound] = field(default_factory=list)
+    undrafted: str | None = "asked"       # why no request drafted (`undrafted_reason`); None: some did
+    host_s: float = 0.0                   # what the round took beyond its forwards and waits
+
+    @property
+    def drafted(self) -> bool:
+        return self.undrafted is None
