@@ -34,6 +34,12 @@ def test_the_load_benchmark_measures_every_mode_at_every_concurrency(tiny_engine
     # measured level by level, the modes in turn, the order turned at each repeat and level
     ar, ssd = "batched AR", "batched SSD policy"
     assert measured == [(ar, 1), (ssd, 1), (ssd, 1), (ar, 1), (ssd, 3), (ar, 3), (ar, 3), (ssd, 3)]
+    # each concurrency warmed up first, its requests not among the level's
+    order = [line[:12] if line.startswith("warm-up") else int(line[22:27]) for line in printed.splitlines()
+             if line.startswith("warm-up") or (line.startswith("batched") and "runs)" not in line
+                                               and line[22:27].strip().isdigit())]
+    assert order == ["warm-up at C", 1, 1, 1, 1, "warm-up at C", 3, 3, 3, 3]
+    assert "warm-up at C=3: 3 requests per mode, not counted" in printed
 
 
 def test_runs_of_a_level_count_as_one_their_tokens_over_their_seconds():

@@ -13,7 +13,10 @@ by level, so that a ratio compares figures measured minutes apart at most; with 
 N` each level runs N times per mode, the order turned each time, and each mode's runs
 count as one (their tokens over their seconds: on a shared 2-core machine one run's
 figure moves by a tenth, more than the differences the load policy's targets ask
-about). Per mode and C: total output
+about). Each concurrency starts with a level of `--warmup-per-stream` requests per stream
+for every mode, not counted: the first level at a new concurrency ran slower than the
+ones after it (bench pair, 16 streams: 279-389 tok/s against 420-445), whichever mode ran
+it. Per mode and C: total output
 tokens/s, per-request inter-token latency and time to first token (p50/p99), and, from
 the server's metrics, the mean batch size, mean K per round and the share of rounds in
 which the clock overruled the load policy's choice to draft, and the share the target
@@ -241,6 +244,8 @@ def run_modes(args, modes: list[Mode], extra: dict, concurrency: tuple[int, ...]
                 for mode, path in served:
                     run_level(url, server.ports.metrics, mode, 1, 2, args.max_tokens, extra, path)  # warm-up
                 for index, c in enumerate(concurrency):
+                    if args.warmup_per_stream:
+                        warm_up(args, url, server.ports.metrics, interleaved(served, index), c, extra)
                     runs: dict[str, list[Level]] = {}
                     for repeat in range(args.repeats):
                         for mode, path in interleaved(served, index + repeat):
@@ -253,6 +258,14 @@ def run_modes(args, modes: list[Mode], extra: dict, concurrency: tuple[int, ...]
                         if args.repeats > 1:
                             print_level(levels[-1])
     return sorted(levels, key=lambda level: (names.index(level.mode), level.concurrency))
+
+
+def warm_up(args, url: str, metrics_port: int, served: list, concurrency: int, extra: dict) -> None:
+    """A level of every mode at this concurrency, not counted (`--warmup-per-stream`)."""
+    requests = concurrency * args.warmup_per_stream
+    print(f"warm-up at C={concurrency}: {requests} requests per mode, not counted", flush=True)
+    for mode, path in served:
+        run_level(url, metrics_port, mode, concurrency, requests, args.max_tokens, extra, path)
 
 
 def level_requests(args, concurrency: int) -> int:
@@ -351,6 +364,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--requests-per-stream", type=int, default=8,
                         help="requests per level: this many per stream (C x this) ...")
     parser.add_argument("--min-requests", type=int, default=4, help="... or this many, if more")
+    parser.add_argument("--warmup-per-stream", type=int, default=1,
+                        help="requests per stream run at each concurrency before its measured levels, not "
+                             "counted (0: none)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each mode at each level, the order turned each time, counted as one")
     parser.add_argument("--max-concurrency", type=int, help="the servers' KV slots used (default: all)")
