@@ -153,6 +153,7 @@ def test_training_with_a_deadline_takes_the_steps_that_fit_and_ends_its_decay_th
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     schedule = warmup_cosine(optimizer, settings, total=lambda: len(losses))
     for _ in range(len(losses)):
+        optimizer.step()  # no gradients, nothing moves: the order torch expects of a schedule
         schedule.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(settings.min_lr_ratio)  # decayed at the cut
 
