@@ -31,6 +31,9 @@ MOST_BRANCHES = 1 << 12           # per request: beyond any engine's built maxim
 # keeps its choice, rather than the dozens a cost curve's `FOLLOWING` would take
 MISPREDICTION_FOLLOWING = 0.2
 MOST_MISPREDICTION = 4.0  # one round's measured over modelled is taken within this factor either way
+# rounds without drafts (nothing measures the misprediction then) in which a factor's
+# distance from 1 halves: see `Misprediction.fade`
+MISPREDICTION_HALF_LIFE = 64
 
 
 def calibration_context(max_context: int) -> int:
@@ -294,10 +297,24 @@ class Misprediction:
     caches' catch-up paid again each time K came back after rounds at K = 0,
     verifications a batch made wider slower than their curve), and the policy, drafting on
     that price, ran at 0.83-0.93x autoregressive speed; at one stream the model was right
-    within 2%."""
+    within 2%.
+
+    Only a drafting round measures a factor, and a factor well above 1 can turn drafting
+    off, so a factor that a busy spell pushed up could hold speculation off for good: on the bench
+    pair at one stream (w8a8, this 2-core machine) a few slow rounds left the factor at
+    1.3, and the policy then drafted in none of 765 rounds where K = 3 ran 1.15x faster
+    than autoregressive decoding. So rounds without drafts fade every factor toward 1
+    (`fade`, halving its distance in `MISPREDICTION_HALF_LIFE` rounds in the log): the
+    model's own price then rules again and the next drafting rounds measure it afresh, as
+    the clock (`control.clock`) retries a batch size it vetoed."""
 
     def __init__(self) -> None:
         self.factors: dict[int, float] = {}
+
+    def fade(self) -> None:
+        """One round that measured no drafting: every factor a step back toward 1."""
+        kept = 0.5 ** (1 / MISPREDICTION_HALF_LIFE)
+        self.factors = {requests: factor ** kept for requests, factor in self.factors.items()}
 
     def observe(self, requests: int, measured_s: float, modelled_s: float) -> None:
         if modelled_s <= 0:

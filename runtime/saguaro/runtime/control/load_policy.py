@@ -16,16 +16,20 @@ The policy models a round from what the decoder measures as it runs:
     alone(N)    verify(N) with nothing of the draft's beside it, on both cores (`run_alone`)
 
     E_r(K)    = 1 + sum_{i=1..K} alpha_1 ... alpha_i      (alpha_j: P(accept depth j | j-1 accepted))
-    T(K)      = verify(sum K_r + 1) + host(n) + max K_r * draft(requests that draft before the round)
+    T(K)      = verify(sum K_r + 1) + host(n) + max K_r * P(miss) * draft(misses | miss)
                 + max(0, (max K_r + 1) * tree(branch rows) - verify)
                 + tree(L) / L * sum_r L_r / R_r(K_r)
-                (alone(...) for verify when no request pre-speculates; L_r: the tokens request
+                (P(miss) = 1 - prod_r h_r: some request drafts before the round, finding no
+                pre-speculated draft, h_r its hit rate, 0 without pre-speculation; those
+                that do, sum_r (1 - h_r) / P(miss) of them on average;
+                alone(...) for verify when no request pre-speculates; L_r: the tokens request
                 r's draft cache lacks beyond K_r + 1, L their sum, fed in one forward before
                 the first draft step: paid once, so spread over R_r(K) = room_r / E_r(K), the
                 rounds the request has left)
                 and for a round that drafts, what it adds to T(0) times m(n): measured over
                 modelled of what the drafting rounds of n requests added (`costs.Misprediction`:
-                what no curve holds)
+                what no curve holds; fading toward 1 over rounds that draft nothing, which
+                measure it not)
 
 and picks the K of every request that maximises the batch's tokens per second,
 `sum E_r(K_r) / T(K)`: the best K shared by all first, then one pass that moves each
@@ -163,6 +167,9 @@ class LoadPolicy:
         if self._modelled is not None and report.drafted:  # checked against its price
             modelled, undrafted, speculating = self._modelled
             self.misprediction[speculating].observe(report.requests, whole - undrafted, modelled - undrafted)
+        elif not report.drafted:  # nothing measured it: what the last drafting rounds showed ages
+            for correction in self.misprediction.values():
+                correction.fade()
         if self._probe_priced is not None:
             self.observe_probe(whole - self._probe_priced, self._probe_priced)
 
@@ -325,18 +332,24 @@ class LoadPolicy:
         return replace(plan, quiet=last.quiet + 1, rejected_probes=rejected)
 
     def _could_pay(self, candidates: list["_Candidate"], ks: list[int], index: int) -> bool:
-        """Whether some K > 0 of request `index`, with a draft as good as the optimistic
-        prior (`UNSEEN_ACCEPTANCE` at every depth) and no pre-speculation, would beat the
-        batch's chosen rate. If not, no acceptance a probe could measure would turn
+        """Whether some K > 0 of request `index`, with a draft as good as its kind's drafts
+        measured or the optimistic prior, whichever is better at each depth (`hopeful`),
+        with pre-speculation where the request may pre-speculate and without, would beat
+        the batch's chosen rate. If not, no acceptance a probe could measure would turn
         speculation back on, and its cost is saved: in a full batch on a compute-bound
         target, probes (a draft step, the draft's cache caught up on every token it missed,
-        a wider verify) had cost the load policy a fifth of batched autoregressive speed."""
+        a wider verify) had cost the load policy a fifth of batched autoregressive speed.
+        Asked with the prior alone and without pre-speculation, the bench pair at one stream
+        (drafts accepted 0.83-0.93 a depth, and paying only pre-speculated) was found
+        hopeless in most rounds, probed nothing, and ran at autoregressive speed where
+        K = 3 ran 1.15x faster."""
         candidate = candidates[index]
-        hopeful = replace(candidate, prespeculating=False, hit=0.0,
-                          reach=[UNSEEN_ACCEPTANCE ** depth for depth in range(candidate.most + 1)])
-        trial = candidates[:index] + [hopeful] + candidates[index + 1:]
         chosen = self._rate(candidates, ks)
-        return any(self._rate(trial, ks[:index] + [k] + ks[index + 1:]) > chosen for k in range(1, candidate.most + 1))
+        for hopeful in candidate.hopeful_variants():
+            trial = candidates[:index] + [hopeful] + candidates[index + 1:]
+            if any(self._rate(trial, ks[:index] + [k] + ks[index + 1:]) > chosen for k in range(1, candidate.most + 1)):
+                return True
+        return False
 
     @staticmethod
     def _speculation_choices(candidates) -> list[bool]:
@@ -382,14 +395,13 @@ class LoadPolicy:
 
     def _candidate(self, sequence) -> "_Candidate":
         shared = self.shared[sequence.greedy]
-        rates = sequence.acceptance.rates(sequence.k, shared.rates(sequence.k, self._measured_prior(sequence.k)))
-        reach = [1.0]
-        for rate in rates:
-            reach.append(reach[-1] * rate)  # reach[i]: P(the first i drafts all accepted)
+        shared_rates = shared.rates(sequence.k, self._measured_prior(sequence.k))
+        reach = reach_of(sequence.acceptance.rates(sequence.k, shared_rates))
+        hopeful = reach_of([max(rate, UNSEEN_ACCEPTANCE) for rate in shared_rates])
         most = most_drafts(sequence)
         hit = sequence.acceptance.hit_rate(shared.hit_rate(UNSEEN_HIT_RATE)) if sequence.prespeculating else 0.0
         return _Candidate(most, sequence.adapts, sequence.steered, reach, hit, sequence.prespeculating,
-                          sequence.draft_lag, sequence.room)
+                          sequence.draft_lag, sequence.room, hopeful=hopeful, prespeculated_hit=hit)
 
     def _measured_prior(self, depths: int) -> list[float] | None:
         """Where the shared estimate starts: the draft's acceptance by depth as measured when
@@ -421,14 +433,26 @@ class LoadPolicy:
         host = self._host_seconds(len(candidates), drafting=bool(drafting))
         if not drafting:
             return verify + host
-        misses = sum(1 - c.hit for c, _ in drafting)
-        critical = max(k for _, k in drafting) * self.draft_cost(misses) if misses > 1e-6 else 0.0
+        critical = max(k for _, k in drafting) * self._missed_drafting_seconds([c.hit for c, _ in drafting])
         critical += self._catch_up_seconds(drafting)
         overrun = 0.0
         if speculating:
             rows = len(speculating) * (max(speculating) + 1)  # at least one branch per depth and request
             overrun = max(0.0, (max(speculating) + 1) * self.tree_cost(rows) - verify)
         return verify + host + critical + overrun
+
+    def _missed_drafting_seconds(self, hits: list[float]) -> float:
+        """The expected seconds of one step of ordinary drafting in a round whose requests
+        find their drafts pre-speculated with probabilities `hits`: a step runs only when
+        some request misses (probability 1 - prod hits), for the requests that missed.
+        Priced as a step for the expected misses whatever the round's luck, a request at
+        one stream with a hit rate of 0.92 paid a whole step per draft in every round, and
+        its pre-speculation lost to drafting after the verification on price alone."""
+        some_miss = 1.0 - math.prod(hits)
+        if some_miss <= 1e-9:
+            return 0.0
+        misses = sum(1.0 - hit for hit in hits)
+        return some_miss * self.draft_cost(misses / some_miss)
 
     def _catch_up_seconds(self, drafting: list[tuple["_Candidate", int]]) -> float:
         """The tokens drafting requests' caches lack beyond a steady round's K + 1 (a prompt
@@ -547,6 +571,14 @@ def without_prespeculation(candidates: list["_Candidate"]) -> list["_Candidate"]
     return [replace(c, prespeculating=False, hit=0.0) if c.steered else c for c in candidates]
 
 
+def reach_of(rates: list[float]) -> list[float]:
+    """reach[i]: P(the first i drafts all accepted), from the acceptance at each depth."""
+    reach = [1.0]
+    for rate in rates:
+        reach.append(reach[-1] * rate)
+    return reach
+
+
 def most_drafts(sequence) -> int:
     """The most drafts a sequence may verify this round: its K, less near the end of its output."""
     return max(min(sequence.k, sequence.room - 1), 0)
@@ -562,6 +594,11 @@ class _Candidate:
     prespeculating: bool
     lag: int = 0         # committed tokens its draft cache lacks (`Sequence.draft_lag`)
     room: int = 1 << 30  # output tokens it may still make
+    # what a probe could show at best: `reach` for a draft as good as its kind's drafts or the
+    # optimistic prior, and its hit rate pre-speculating (0: it does not), kept when the
+    # round's choice turns pre-speculation off
+    hopeful: list[float] = field(default_factory=list)
+    prespeculated_hit: float = 0.0
 
     def expected_tokens(self, k: int) -> float:
         return sum(self.reach[:k + 1])
@@ -569,6 +606,15 @@ class _Candidate:
     def rounds_left(self, k: int) -> float:
         """Rounds until its output is full, drafting `k` tokens a round."""
         return max(1.0, self.room / self.expected_tokens(k))
+
+    def hopeful_variants(self) -> list["_Candidate"]:
+        """This request with the `hopeful` draft: without pre-speculation, and with it where
+        it may pre-speculate."""
+        reach = self.hopeful or [UNSEEN_ACCEPTANCE ** depth for depth in range(self.most + 1)]
+        plain = replace(self, reach=reach, prespeculating=False, hit=0.0)
+        if not self.prespeculated_hit:
+            return [plain]
+        return [plain, replace(plain, prespeculating=True, hit=self.prespeculated_hit)]
 
     def fitted(self, k: int) -> int:
         """`k` within what it may draft this round; a pinned K stays its own."""
