@@ -10,13 +10,21 @@ import torch
 
 from saguaro.runtime.cli import policy_summary
 from saguaro.runtime.control.acceptance import Acceptance
-from saguaro.runtime.control.costs import MISPREDICTION_HALF_LIFE, MOST_MISPREDICTION, CostCurve, LinearCost, Misprediction
+from saguaro.runtime.control.costs import (
+    FOLLOWING,
+    MISPREDICTION_HALF_LIFE,
+    MOST_MISPREDICTION,
+    CostCurve,
+    LinearCost,
+    Misprediction,
+)
 from saguaro.runtime.control.load_policy import (
     PROBE_DRAFTS,
     PROBE_PERIOD,
     PROBE_SHARE,
     QUIET_ROUNDS,
     REPLAN_ROUNDS,
+    TRIAL_FOLLOWING,
     LoadPolicy,
     probe_period,
 )
@@ -422,6 +430,27 @@ def test_a_catch_up_beside_a_verification_takes_what_one_draft_forward_does_in_i
 
 def replace_quiet(plan: Plan, quiet: int) -> Plan:
     return Plan(plan.draft_tokens, plan.prespeculate, plan.branches, quiet, plan.probe)
+
+
+def test_a_trial_that_measured_slow_moves_its_curve_as_any_round_does():
+    """A trial of the other session that fell in a busy moment moves its curve up by the
+    curves' usual following, not half way (a forward is only ever slowed by the machine);
+    one that measured fast moves it half way down. Rounds of the usual session follow as
+    ever."""
+    policy = policy_with(measured(0.004, 0.0003), measured(0.0003, 0.00002), acceptance=0.5)
+    policy.alone_cost = measured(0.002, 0.0003)
+    level = policy.alone_cost(1)
+    policy._trial = True
+    policy.observe_verify(1, 10 * level, alone=True)  # preempted: ten times its level
+    assert policy.alone_cost(1) == pytest.approx(level * 10 ** FOLLOWING, rel=0.01)
+    assert not policy._trial
+    slow = policy.alone_cost(1)
+    policy._trial = True
+    policy.observe_verify(1, slow / 4, alone=True)
+    assert policy.alone_cost(1) == pytest.approx(slow * 0.25 ** TRIAL_FOLLOWING, rel=0.01)
+    usual = policy.verify_cost(1)
+    policy.observe_verify(1, usual / 4, alone=False)  # not a trial: the usual following
+    assert policy.verify_cost(1) == pytest.approx(usual * 0.25 ** FOLLOWING, rel=0.01)
 
 
 def test_a_round_without_pre_speculation_is_costed_alone():

@@ -106,8 +106,8 @@ QUIET_ROUNDS = PROBE_PERIOD
 # repeats (1.5-2 ms every 32 rounds at 16 streams) is a share of a busy server's rounds,
 # while a batch that shrinks is still asked at once whether some K could pay.
 QUIET_BACKOFF = 3
-# How far a verification on the session tried once a period (`runs_alone`) moves its curve:
-# measured once in PROBE_PERIOD rounds, at the curves' usual following a curve a busy spell
+# How far a verification on the session tried once a period (`runs_alone`) moves its curve
+# down (up, only as far as any round: `observe_verify`): measured once in PROBE_PERIOD rounds, at the curves' usual following a curve a busy spell
 # had inflated took hundreds of rounds to come back (a third of an autoregressive run at 4
 # streams verified on the one-thread session, 22.2 ms a round against 19.8 on both threads).
 TRIAL_FOLLOWING = 0.5
@@ -187,9 +187,17 @@ class LoadPolicy:
         self.probe_spacing = max(PROBE_PERIOD, math.ceil(self.probe_cost / (PROBE_SHARE * max(round_s, 1e-9))))
 
     def observe_verify(self, tokens: int, seconds: float, alone: bool = False) -> None:
-        """`alone`: the target ran alone (no pre-speculation beside it): its own curve."""
-        following = TRIAL_FOLLOWING if self._trial else FOLLOWING
-        (self.alone_cost if alone else self.verify_cost).observe(tokens, seconds, following=following)
+        """`alone`: the target ran alone (no pre-speculation beside it): its own curve. A
+        trial of the other session moves its curve `TRIAL_FOLLOWING` of the way down, but
+        only as far as any round up: a busy moment only slows a forward, so one trial that
+        measured fast says the session is that fast, while one that measured slow may have
+        been preempted. Followed half way up as well, trials that fell in busy moments left
+        the wide session's curve at 20-32 ms where its rounds had taken 9-12 (4 streams
+        through the server, bench pair): the one-thread session verified 59% of the level's
+        rounds, and SSD with the policy ran at 0.80x autoregressive decoding."""
+        curve = self.alone_cost if alone else self.verify_cost
+        faster = curve.known and seconds < curve(tokens)
+        curve.observe(tokens, seconds, following=TRIAL_FOLLOWING if self._trial and faster else FOLLOWING)
         self._trial = False
 
     def observe_drafting(self, requests: int, steps: int, seconds: float) -> None:
