@@ -80,6 +80,25 @@ def test_the_cost_curve_interpolates_and_follows_what_it_measures():
     assert cost(64) == pytest.approx(0.020, rel=0.02) and cost(4) == pytest.approx(0.006, rel=0.02)
 
 
+def test_a_calibration_taken_later_keeps_the_level_rounds_of_one_size_measured():
+    """Rounds at one token measured 33 ms before the calibration came (taken at build time,
+    in a busier hour: 73 ms there): the calibrated curve keeps its shape at the measured
+    level. Rounds of several sizes read through a one-point guess of the shape say nothing
+    sure of any one size: the calibration's level then."""
+    calibration = {1: 0.073, 2: 0.080, 16: 0.200}
+    one_size = CostCurve()
+    for _ in range(100):
+        one_size.observe(1, 0.033)
+    curve = one_size.calibrated(calibration)
+    assert curve.points == calibration
+    assert curve(1) == pytest.approx(0.033, rel=0.01) and curve(16) == pytest.approx(0.200 * 0.033 / 0.073, rel=0.01)
+    mixed = CostCurve()
+    for size in (1, 16) * 50:
+        mixed.observe(size, 0.033 * size)
+    assert mixed.calibrated(calibration)(1) == pytest.approx(0.073)
+    assert CostCurve().calibrated(calibration)(16) == pytest.approx(0.200)  # nothing measured before
+
+
 def test_a_size_the_rising_envelope_holds_up_follows_its_own_measurements():
     """Calibrated dearer at 1 token than at 2 (a noisy calibration), the curve prices 2
     tokens at 1 token's cost (a forward never costs less for more). Measurements at 2
@@ -148,7 +167,11 @@ def test_calibration_gives_a_curve_its_shape_even_after_autoregressive_rounds_me
     policy.calibrate()
     for curve in (policy.verify_cost, policy.alone_cost, policy.draft_cost):
         assert len(curve.points) > 4 and 5 in curve.points
+    for curve in (policy.alone_cost, policy.draft_cost):  # measured at several sizes, or none
         assert curve(16) == pytest.approx(CostCurve(curve.points)(16))  # the calibration's, nothing carried over
+    shape = CostCurve(policy.verify_cost.points)  # measured at one size: the calibration's shape at that level
+    assert policy.verify_cost(1) == pytest.approx(0.004)
+    assert policy.verify_cost(5) == pytest.approx(shape(5) * 0.004 / shape(1))
 
 
 def test_host_time_fits_a_line_and_older_measurements_fade():

@@ -142,6 +142,7 @@ class CostCurve:
         self.points = dict(sorted((points or {}).items()))  # the shape
         self.factors: dict[float, float] = {}  # measured over the shape, at points measurements moved
         self._rising: list[tuple[float, float]] | None = None  # the envelope, until a point moves
+        self._sizes_measured: set[float] = set()  # sizes the served rounds measured
 
     @property
     def known(self) -> bool:
@@ -157,6 +158,8 @@ class CostCurve:
         """`lasting`: a calibration point, taken as it is (the fastest of its repeats);
         `following`: how far the measurement moves the curve toward itself."""
         self._rising = None
+        if not lasting:
+            self._sizes_measured.add(size)
         if lasting or not self.points:
             self.points[size] = min(seconds, self.points.get(size, seconds))
             self.points = dict(sorted(self.points.items()))
@@ -175,6 +178,22 @@ class CostCurve:
             self.factors[point] = self.factor(point) * correction ** (following * share)
         self._bound_below(size)
         self.factors = dict(sorted(self.factors.items()))
+
+    def calibrated(self, points: Mapping[int, float]) -> "CostCurve":
+        """A curve of the calibration's shape (`points`), at the level this one measured
+        where the served rounds all measured one size: the calibration's own level is that
+        of the hour it was taken (a SmolLM2 build's, on a busy machine, put the wide
+        session's one-token verification at 73 ms where rounds measured 33, above the
+        one-thread session's 71, and a process's first SSD request then verified on one
+        thread for about a hundred rounds). Rounds of several sizes measured against a
+        one-point guess of the shape carry the guess's errors: the calibration's level then."""
+        curve = CostCurve(points)
+        if len(self._sizes_measured) == 1 and curve.known:
+            size = next(iter(self._sizes_measured))
+            shape = along(list(curve.points.items()), size)
+            if shape > 0:
+                curve.factors[size] = along(self._levels(), size) / shape
+        return curve
 
     def _bound_below(self, size: float) -> None:
         """A forward never costs less for more tokens, so the level `size` now has bounds

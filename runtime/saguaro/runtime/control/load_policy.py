@@ -107,9 +107,10 @@ QUIET_ROUNDS = PROBE_PERIOD
 # while a batch that shrinks is still asked at once whether some K could pay.
 QUIET_BACKOFF = 3
 # How far a verification on the session tried once a period (`runs_alone`) moves its curve
-# down (up, only as far as any round: `observe_verify`): measured once in PROBE_PERIOD rounds, at the curves' usual following a curve a busy spell
-# had inflated took hundreds of rounds to come back (a third of an autoregressive run at 4
-# streams verified on the one-thread session, 22.2 ms a round against 19.8 on both threads).
+# down (up, only as far as any round: `observe_verify`): measured once in PROBE_PERIOD
+# rounds, at the curves' usual following a curve a busy spell had inflated took hundreds of
+# rounds to come back (a third of an autoregressive run at 4 streams verified on the
+# one-thread session, 22.2 ms a round against 19.8 on both threads).
 TRIAL_FOLLOWING = 0.5
 
 
@@ -239,10 +240,13 @@ class LoadPolicy:
         stored = target.info.calibration
         calibration = (stored if stored is not None and stored.measured_here
                        else measure_calibration(target, draft, alone=self.alone))
-        # the curves start again from the calibration: what rounds measured before it was
-        # measured against a one-point guess of the shape, and would carry the guess's errors
+        # the curves take the calibration's shape, at the level the rounds before it measured
+        # where they measured one size (`CostCurve.calibrated`)
         self.verify_cost, self.alone_cost, self.draft_cost, self.tree_cost = (
-            CostCurve(points) for points in (calibration.verify, calibration.alone, calibration.draft, calibration.draft))
+            curve.calibrated(points) for curve, points in ((self.verify_cost, calibration.verify),
+                                                           (self.alone_cost, calibration.alone),
+                                                           (self.draft_cost, calibration.draft),
+                                                           (self.tree_cost, calibration.draft)))
 
     def choose(self, batch) -> list[Plan]:
         """The plan of each `batch` entry (a `decoding.Sequence`: its `k`, `adapts`,
