@@ -319,9 +319,9 @@ class Misprediction:
     within 2%.
 
     Only a drafting round measures a factor, and a factor well above 1 can turn drafting
-    off, so a factor that a busy spell pushed up could hold speculation off for good: on the bench
-    pair at one stream (w8a8, this 2-core machine) a few slow rounds left the factor at
-    1.3, and the policy then drafted in none of 765 rounds where K = 3 ran 1.15x faster
+    off, so a factor that a busy spell pushed up could hold speculation off for good: on
+    the bench pair at one stream (w8a8, a 2-core machine) a few slow rounds left the factor
+    at 1.3, and the policy then drafted in none of 765 rounds where K = 3 ran 1.15x faster
     than autoregressive decoding. So rounds without drafts fade every factor toward 1
     (`fade`, halving its distance in `MISPREDICTION_HALF_LIFE` rounds in the log): the
     model's own price then rules again and the next drafting rounds measure it afresh, as
