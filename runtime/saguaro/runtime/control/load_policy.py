@@ -412,8 +412,8 @@ class LoadPolicy:
         hopeful = reach_of([max(rate, UNSEEN_ACCEPTANCE) for rate in shared_rates])
         most = most_drafts(sequence)
         hit = sequence.acceptance.hit_rate(shared.hit_rate(UNSEEN_HIT_RATE)) if sequence.prespeculating else 0.0
-        return _Candidate(most, sequence.adapts, sequence.steered, reach, hit, sequence.prespeculating,
-                          sequence.draft_lag, sequence.room, hopeful=hopeful, prespeculated_hit=hit)
+        return _Candidate(most, sequence.adapts, sequence.steered, reach, hopeful, hit, sequence.prespeculating,
+                          sequence.draft_lag, sequence.room)
 
     def _measured_prior(self, depths: int) -> list[float] | None:
         """Where the shared estimate starts: the draft's acceptance by depth as measured when
@@ -445,7 +445,8 @@ class LoadPolicy:
         host = self._host_seconds(len(candidates), drafting=bool(drafting))
         if not drafting:
             return verify + host
-        critical = max(k for _, k in drafting) * self._missed_drafting_seconds([c.hit for c, _ in drafting])
+        hits = [c.hit if c.prespeculating else 0.0 for c, _ in drafting]
+        critical = max(k for _, k in drafting) * self._missed_drafting_seconds(hits)
         critical += self._catch_up_seconds(drafting)
         overrun = 0.0
         if speculating:
@@ -580,7 +581,7 @@ def prespeculates(candidates: list["_Candidate"], ks: list[int]) -> bool:
 
 def without_prespeculation(candidates: list["_Candidate"]) -> list["_Candidate"]:
     """The candidates with the pre-speculation the policy steers turned off."""
-    return [replace(c, prespeculating=False, hit=0.0) if c.steered else c for c in candidates]
+    return [replace(c, prespeculating=False) if c.steered else c for c in candidates]
 
 
 def reach_of(rates: list[float]) -> list[float]:
@@ -602,15 +603,13 @@ class _Candidate:
     adapts: bool         # False: K is pinned (to `most`)
     steered: bool        # its pre-speculation (on or off, branches) follows the policy
     reach: list[float]   # reach[i]: P(first i drafts accepted)
-    hit: float           # P(its next draft comes from the speculation cache)
+    hopeful: list[float]  # what a probe could show at best: `reach` for a draft as good as its
+                          # kind's drafts or the optimistic prior, whichever is better
+    hit: float           # P(its next draft comes from the speculation cache), pre-speculating
+                         # (0: it may not); read only while `prespeculating`
     prespeculating: bool
     lag: int = 0         # committed tokens its draft cache lacks (`Sequence.draft_lag`)
     room: int = 1 << 30  # output tokens it may still make
-    # what a probe could show at best: `reach` for a draft as good as its kind's drafts or the
-    # optimistic prior, and its hit rate pre-speculating (0: it does not), kept when the
-    # round's choice turns pre-speculation off
-    hopeful: list[float] = field(default_factory=list)
-    prespeculated_hit: float = 0.0
 
     def expected_tokens(self, k: int) -> float:
         return sum(self.reach[:k + 1])
@@ -622,11 +621,8 @@ class _Candidate:
     def hopeful_variants(self) -> list["_Candidate"]:
         """This request with the `hopeful` draft: without pre-speculation, and with it where
         it may pre-speculate."""
-        reach = self.hopeful or [UNSEEN_ACCEPTANCE ** depth for depth in range(self.most + 1)]
-        plain = replace(self, reach=reach, prespeculating=False, hit=0.0)
-        if not self.prespeculated_hit:
-            return [plain]
-        return [plain, replace(plain, prespeculating=True, hit=self.prespeculated_hit)]
+        plain = replace(self, reach=self.hopeful, prespeculating=False)
+        return [plain, replace(plain, prespeculating=True)] if self.hit else [plain]
 
     def fitted(self, k: int) -> int:
         """`k` within what it may draft this round; a pinned K stays its own."""
