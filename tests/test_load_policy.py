@@ -3,6 +3,7 @@ set by hand here (as if measured), so each test knows which K pays; then the pol
 real engines with drafts that never agree, or agree once they did not, and the target's
 wide session (`run_alone`)."""
 import math
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -11,7 +12,6 @@ import torch
 from saguaro.runtime.cli import policy_summary
 from saguaro.runtime.control.acceptance import Acceptance
 from saguaro.runtime.control.costs import (
-    FOLLOWING,
     MISPREDICTION_HALF_LIFE,
     MOST_MISPREDICTION,
     CostCurve,
@@ -24,7 +24,6 @@ from saguaro.runtime.control.load_policy import (
     PROBE_SHARE,
     QUIET_ROUNDS,
     REPLAN_ROUNDS,
-    TRIAL_FOLLOWING,
     LoadPolicy,
     probe_period,
 )
@@ -123,8 +122,8 @@ def test_a_size_measured_bounds_every_smaller_one():
     for _ in range(200):
         cost.observe(12, 0.137)
     assert cost(16) > 0.13
-    for _ in range(8):
-        cost.observe(16, 0.042, following=0.5)
+    for _ in range(60):
+        cost.observe(16, 0.042)
     assert cost(16) == pytest.approx(0.042, rel=0.02) and cost(12) <= cost(16)
     assert cost(32) > cost(16)  # wider sizes keep their own level
 
@@ -455,27 +454,6 @@ def replace_quiet(plan: Plan, quiet: int) -> Plan:
     return Plan(plan.draft_tokens, plan.prespeculate, plan.branches, quiet, plan.probe)
 
 
-def test_a_trial_that_measured_slow_moves_its_curve_as_any_round_does():
-    """A trial of the other session that fell in a busy moment moves its curve up by the
-    curves' usual following, not half way (a forward is only ever slowed by the machine);
-    one that measured fast moves it half way down. Rounds of the usual session follow as
-    ever."""
-    policy = policy_with(measured(0.004, 0.0003), measured(0.0003, 0.00002), acceptance=0.5)
-    policy.alone_cost = measured(0.002, 0.0003)
-    level = policy.alone_cost(1)
-    policy._trial = True
-    policy.observe_verify(1, 10 * level, alone=True)  # preempted: ten times its level
-    assert policy.alone_cost(1) == pytest.approx(level * 10 ** FOLLOWING, rel=0.01)
-    assert not policy._trial
-    slow = policy.alone_cost(1)
-    policy._trial = True
-    policy.observe_verify(1, slow / 4, alone=True)
-    assert policy.alone_cost(1) == pytest.approx(slow * 0.25 ** TRIAL_FOLLOWING, rel=0.01)
-    usual = policy.verify_cost(1)
-    policy.observe_verify(1, usual / 4, alone=False)  # not a trial: the usual following
-    assert policy.verify_cost(1) == pytest.approx(usual * 0.25 ** FOLLOWING, rel=0.01)
-
-
 def test_a_round_without_pre_speculation_is_costed_alone():
     """When the target verifies alone on both cores its rounds cost less, so the policy
     compares K = 0 with drafting at that cost: with verification alone twice as fast, the
@@ -488,38 +466,16 @@ def test_a_round_without_pre_speculation_is_costed_alone():
     assert alone.choose([FakeSequence()])[0].draft_tokens == 0
 
 
-def test_the_target_runs_alone_on_the_session_measured_faster_and_tries_the_other_once_a_period():
-    """On a busy machine the two-thread session can be the slower: rounds without
-    pre-speculation then verify on the engine's own session, and the other one runs once
-    a period, so that its curve follows the machine too."""
-    for alone_seconds, usually in ((0.002, True), (0.008, False)):
-        policy = policy_with(measured(0.004, 0.0003), measured(0.0003, 0.00002), acceptance=0.5)
-        policy.alone_cost = measured(alone_seconds, 0.0003)
-        choices = [policy.runs_alone(1) for _ in range(2 * PROBE_PERIOD)]
-        others = [i for i, choice in enumerate(choices) if choice != usually]
-        assert others == [PROBE_PERIOD - 1, 2 * PROBE_PERIOD - 1]
-        assert policy._verify_seconds(1, alone=True) == pytest.approx(min(alone_seconds, 0.004) + 0.0003)
-    policy.alone = False  # other decoders share the engines
-    assert not any(policy.runs_alone(1) for _ in range(2 * PROBE_PERIOD))
-
-
-def test_a_session_tried_once_a_period_comes_back_once_it_measures_faster():
-    """A busy spell left the two-thread session's curve at twice what it costs now: the
-    one-thread session runs, the other is tried once a period, and each trial moves its
-    curve half way, so the faster session is back within a few periods (at the curves'
-    usual following it took a dozen)."""
+def test_a_round_without_pre_speculation_is_priced_on_the_session_its_rounds_use():
+    """Rounds without pre-speculation are priced with the wide session's curve while the
+    session choice keeps them there, and with the one-thread session's once paired trials
+    moved them (`SessionChoice`)."""
     policy = policy_with(measured(0.004, 0.0003), measured(0.0003, 0.00002), acceptance=0.5)
-    policy.alone_cost = measured(0.008, 0.0003)  # as the busy spell left it
-    on_both_threads = []
-    for _ in range(4 * PROBE_PERIOD):
-        alone = policy.runs_alone(1)
-        policy.observe_verify(1, 0.0023 if alone else 0.0043, alone)  # what each session costs now
-        on_both_threads.append(alone)
-    back = next(i for i in range(len(on_both_threads) - 2)
-                if on_both_threads[i] and on_both_threads[i + 1] and on_both_threads[i + 2])
-    assert PROBE_PERIOD - 1 <= back < 3 * PROBE_PERIOD
-    trials = [i for i in range(back, len(on_both_threads)) if not on_both_threads[i]]
-    assert trials and all((i + 1) % PROBE_PERIOD == 0 for i in trials)  # the other tried once a period
+    policy.alone_cost = measured(0.002, 0.0003)
+    assert policy._verify_seconds(1, alone=True) == pytest.approx(0.0023)
+    assert policy._verify_seconds(1, alone=False) == pytest.approx(0.0043)
+    policy.sessions.ratios[1] = deque([-0.2])  # trials said: the one-thread session is faster
+    assert policy._verify_seconds(1, alone=True) == pytest.approx(0.0043)
 
 
 def test_a_misprediction_follows_what_the_rounds_measured_by_batch_size():
@@ -702,7 +658,7 @@ def test_with_speculation_off_the_draft_catches_up_while_the_target_verifies_on_
     target, prompt, expected, never = tiny_reference
     pipeline = with_costs_by_hand(Pipeline(target, Disagreeing(TorchEngine(tiny_pair / "draft"), never)))
     decoder = pipeline.schedulers[0].decoder
-    decoder.alone = decoder.load_policy.alone = False
+    decoder.alone = decoder.load_policy.sessions.enabled = False
     lags = []
     pipeline.observe_rounds(lambda batch, _: lags.append((batch[0].plan.draft_tokens,
                                                        batch[0].speculator.lag(batch[0].out.ids))))

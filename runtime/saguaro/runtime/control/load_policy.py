@@ -82,8 +82,9 @@ from dataclasses import dataclass, field, replace
 from saguaro.runtime.control.acceptance import UNSEEN_ACCEPTANCE, UNSEEN_HIT_RATE, Acceptance
 from saguaro.runtime.control.calibration import measure_calibration
 from saguaro.runtime.control.clock import ClockCheck
-from saguaro.runtime.control.costs import FOLLOWING, MOST_BRANCHES, CostCurve, LinearCost, Misprediction, hidden_branches
+from saguaro.runtime.control.costs import MOST_BRANCHES, CostCurve, LinearCost, Misprediction, hidden_branches
 from saguaro.runtime.control.round_report import Plan, RoundReport
+from saguaro.runtime.control.sessions import SessionChoice
 
 SHARED_FADING = 0.995             # of the acceptance counts shared by all requests (per round with drafts)
 PROBE_PERIOD = 32   # rounds: with speculation off, a request drafts in one round of this many ...
@@ -106,12 +107,6 @@ QUIET_ROUNDS = PROBE_PERIOD
 # repeats (1.5-2 ms every 32 rounds at 16 streams) is a share of a busy server's rounds,
 # while a batch that shrinks is still asked at once whether some K could pay.
 QUIET_BACKOFF = 3
-# How far a verification on the session tried once a period (`runs_alone`) moves its curve
-# down (up, only as far as any round: `observe_verify`): measured once in PROBE_PERIOD
-# rounds, at the curves' usual following a curve a busy spell had inflated took hundreds of
-# rounds to come back (a third of an autoregressive run at 4 streams verified on the
-# one-thread session, 22.2 ms a round against 19.8 on both threads).
-TRIAL_FOLLOWING = 0.5
 
 
 class LoadPolicy:
@@ -121,9 +116,7 @@ class LoadPolicy:
     def __init__(self, target, draft, alone: bool = True):
         self.verify_cost, self.draft_cost, self.tree_cost = CostCurve(), CostCurve(), CostCurve()
         self.alone_cost = CostCurve()  # verify(N) with nothing of the draft's beside it (`run_alone`)
-        self.alone = alone
-        self._unspeculated_rounds = 0  # rounds asked `runs_alone`
-        self._trial = False  # this round verifies on the session tried once a period
+        self.sessions = SessionChoice(alone)  # which session verifies a round without pre-speculation
         self._kept: _KeptChoice | None = None  # the last choice, while its batch runs on
         self._hopeless = False  # the last choice: K = 0 for all, and no K could pay at this load
         self._hopeless_choices = 0  # such choices in a row
@@ -154,6 +147,7 @@ class LoadPolicy:
     def observe_round(self, report: RoundReport) -> None:
         """Everything a round measured: forward costs, host work, acceptance, lookups."""
         self.observe_verify(report.verified_tokens, report.verify_s, report.alone)
+        self.sessions.verified(report.verify_s)
         if report.drafting is not None:
             self.observe_drafting(*report.drafting, report.draft_s)
         if report.prespeculation is not None:
@@ -188,18 +182,8 @@ class LoadPolicy:
         self.probe_spacing = max(PROBE_PERIOD, math.ceil(self.probe_cost / (PROBE_SHARE * max(round_s, 1e-9))))
 
     def observe_verify(self, tokens: int, seconds: float, alone: bool = False) -> None:
-        """`alone`: the target ran alone (no pre-speculation beside it): its own curve. A
-        trial of the other session moves its curve `TRIAL_FOLLOWING` of the way down, but
-        only as far as any round up: a busy moment only slows a forward, so one trial that
-        measured fast says the session is that fast, while one that measured slow may have
-        been preempted. Followed half way up as well, trials that fell in busy moments left
-        the wide session's curve at 20-32 ms where its rounds had taken 9-12 (4 streams
-        through the server, bench pair): the one-thread session verified 59% of the level's
-        rounds, and SSD with the policy ran at 0.80x autoregressive decoding."""
-        curve = self.alone_cost if alone else self.verify_cost
-        faster = curve.known and seconds < curve(tokens)
-        curve.observe(tokens, seconds, following=TRIAL_FOLLOWING if self._trial and faster else FOLLOWING)
-        self._trial = False
+        """`alone`: the target ran alone (no pre-speculation beside it): its own curve."""
+        (self.alone_cost if alone else self.verify_cost).observe(tokens, seconds)
 
     def observe_drafting(self, requests: int, steps: int, seconds: float) -> None:
         if steps:
@@ -239,7 +223,7 @@ class LoadPolicy:
         target, draft = self._engines
         stored = target.info.calibration
         calibration = (stored if stored is not None and stored.measured_here
-                       else measure_calibration(target, draft, alone=self.alone))
+                       else measure_calibration(target, draft, alone=self.sessions.enabled))
         # the curves take the calibration's shape, at the level the rounds before it measured
         # where they measured one size (`CostCurve.calibrated`)
         self.verify_cost, self.alone_cost, self.draft_cost, self.tree_cost = (
@@ -484,24 +468,10 @@ class LoadPolicy:
 
     def _verify_seconds(self, tokens: int, alone: bool) -> float:
         """A verification of `tokens`; `alone`: with nothing of the draft's beside it, on
-        the faster of the two sessions."""
-        if alone and self.alone and self.alone_cost.known:
-            return min(self.alone_cost(tokens), self.verify_cost(tokens) if self.verify_cost.known else float("inf"))
+        the session such rounds use (`SessionChoice.wide`)."""
+        if alone and self.sessions.wide(tokens) and self.alone_cost.known:
+            return self.alone_cost(tokens)
         return self.verify_cost(tokens)
-
-    def runs_alone(self, tokens: int) -> bool:
-        """Whether a round of `tokens` without pre-speculation verifies on the wide session:
-        unless the curves say it is the slower (on a busy machine two threads wait for each
-        other). Once a period the other session runs instead, so both curves stay measured,
-        and that one measurement moves its curve half way (`TRIAL_FOLLOWING`)."""
-        if not self.alone:
-            return False
-        self._unspeculated_rounds += 1
-        other = self._trial = self._unspeculated_rounds % PROBE_PERIOD == 0
-        if not (self.alone_cost.known and self.verify_cost.known):  # not calibrated: measured as it runs
-            return not other
-        faster = self.alone_cost(tokens) <= self.verify_cost(tokens)
-        return faster != other
 
     def catch_up_share(self, tokens: int, requests: int) -> int:
         """Tokens each of `requests` lagging draft caches may catch up on while a

@@ -299,7 +299,7 @@ class Decoder:
         speculating = [s for s in batch if s.speculates]
         steps = [s.verification() for s in batch]  # before the worker starts: it competes for the GIL
         tokens = sum(len(step.step.tokens) for step in steps)
-        alone = self.alone and not speculating and self.load_policy.runs_alone(tokens)
+        alone = self.alone and not speculating and self.load_policy.sessions.runs_alone(tokens)
         # no hand-off to the worker for nothing: waking it costs a tiny engine's round a tenth
         pending = speculating and self.worker.submit(beside_the_target, self.prespeculate, speculating)
         # the draft's core is free while a round without pre-speculation verifies on its own

@@ -1,0 +1,83 @@
+"""Which of the target's two sessions verifies a round that has nothing of the draft's
+beside it: the wide one (both threads, `run_alone`) or the engine's own one-thread
+session, judged by trials paired with their neighbours.
+
+On a busy machine two threads can wait for each other, so the session the rounds use is
+tried against the other once in `TRIAL_PERIOD` rounds. A forward is only ever slowed by
+the machine, and a busy spell slows whichever session runs in it: compared by their cost
+curves (the usual session's following every round, the other's moved by a trial once a
+period), a busy spell of one was set against a quiet moment of the other. Through the
+server at 4 streams (bench pair) that chose the one-thread session for 6-64% of a level's
+rounds, where in every level those rounds measured slower than the wide session's
+(14-17 ms against 12.5-14, the same width). So a trial is judged against its neighbours:
+the usual session's rounds just before and just after it, at the same width, which the
+machine's load of that moment slowed alike. The rounds use the wide session unless the
+median of the last `PAIRS_KEPT` pairs at that width (the nearest width measured, before
+any at that one) says the other is faster.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+TRIAL_PERIOD = 32  # rounds without pre-speculation: the other session verifies one in this many
+PAIRS_KEPT = 5     # trials per width whose median decides (one preempted trial moves nothing)
+
+
+class SessionChoice:
+    """`runs_alone(tokens)` for each round without pre-speculation, then `verified(seconds)`
+    with what its verification took. `enabled` False: other decoders share the engines, so
+    the target never runs alone."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.ratios: dict[int, deque[float]] = {}  # width -> log(one-thread / wide seconds), by pair
+        self._rounds = 0
+        self._asked: tuple[int, bool, bool] | None = None  # this round: tokens, wide, a trial
+        self._usual: tuple[int, float] | None = None       # the last usual round: tokens, seconds
+        self._trial: tuple[int, float, bool, float | None] | None = None  # tokens, seconds, wide, before
+
+    def wide(self, tokens: int) -> bool:
+        """Whether the rounds of `tokens` use the wide session: unless paired trials at the
+        nearest width measured say the one-thread session is faster."""
+        if not self.enabled:
+            return False
+        if not self.ratios:
+            return True
+        nearest = min(self.ratios, key=lambda width: (abs(width - tokens), width))
+        return statistics.median(self.ratios[nearest]) >= 0.0
+
+    def runs_alone(self, tokens: int) -> bool:
+        """This round's session (True: the wide one); once a period, the other one."""
+        if not self.enabled:
+            return False
+        self._rounds += 1
+        trial = self._rounds % TRIAL_PERIOD == 0
+        wide = self.wide(tokens) != trial
+        self._asked = (tokens, wide, trial)
+        return wide
+
+    def verified(self, seconds: float) -> None:
+        """The round asked of `runs_alone` verified in `seconds`; a round that did not ask
+        (it pre-speculated) measures neither session."""
+        if self._asked is None:
+            return
+        (tokens, wide, trial), self._asked = self._asked, None
+        if trial:
+            before = self._usual[1] if self._usual is not None and self._usual[0] == tokens else None
+            self._trial = (tokens, seconds, wide, before)
+            return
+        self._usual = (tokens, seconds)
+        if self._trial is not None:
+            self._pair(tokens, seconds)
+
+    def _pair(self, tokens: int, after: float) -> None:
+        """The trial waiting for its neighbour after, against the mean of its neighbours."""
+        (width, tried, wide, before), self._trial = self._trial, None  # type: ignore[misc]
+        neighbours = [seconds for seconds in (before, after if tokens == width else None) if seconds]
+        if not neighbours or tried <= 0:
+            return
+        usual = sum(neighbours) / len(neighbours)
+        one_thread, both = (usual, tried) if wide else (tried, usual)
+        self.ratios.setdefault(width, deque(maxlen=PAIRS_KEPT)).append(math.log(one_thread / both))
