@@ -12,6 +12,7 @@ import torch
 from saguaro.runtime.cli import policy_summary
 from saguaro.runtime.control.acceptance import Acceptance
 from saguaro.runtime.control.costs import (
+    FOLLOWING,
     MISPREDICTION_HALF_LIFE,
     MOST_MISPREDICTION,
     CostCurve,
@@ -24,10 +25,12 @@ from saguaro.runtime.control.load_policy import (
     PROBE_SHARE,
     QUIET_ROUNDS,
     REPLAN_ROUNDS,
+    TRIAL_FOLLOWING,
     LoadPolicy,
     probe_period,
 )
 from saguaro.runtime.control.round_report import Plan, RoundReport, undrafted_reason
+from saguaro.runtime.control.sessions import TRIAL_PERIOD
 from saguaro.runtime.core.contracts import Rows, Step
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
@@ -122,8 +125,8 @@ def test_a_size_measured_bounds_every_smaller_one():
     for _ in range(200):
         cost.observe(12, 0.137)
     assert cost(16) > 0.13
-    for _ in range(60):
-        cost.observe(16, 0.042)
+    for _ in range(8):
+        cost.observe(16, 0.042, following=0.5)
     assert cost(16) == pytest.approx(0.042, rel=0.02) and cost(12) <= cost(16)
     assert cost(32) > cost(16)  # wider sizes keep their own level
 
@@ -379,6 +382,23 @@ def test_a_request_whose_drafts_pay_only_pre_speculated_keeps_probing():
     assert probes and probes[0] < PROBE_PERIOD
 
 
+def test_a_request_that_may_pre_speculate_is_not_held_hopeless_on_the_unseen_hit_rate():
+    """One stream, its draft's acceptance measured at build time below the optimistic
+    prior, no pre-speculation measured yet (hit rate at the unseen prior, 0.5): drafting
+    after the verification does not pay, pre-speculated drafts do once they hit often. A
+    probe cannot measure the hit rate, so the check that holds K = 0 without probes asks
+    with hits as likely as the prior's acceptance: the request probes. (The bench pair at
+    one stream, after an autoregressive stretch: held with no probe, at AR's speed, where
+    K = 3 ran 1.2x faster.)"""
+    policy = policy_with(measured(0.004, 0.0004), measured(0.007, 0.00002), acceptance=0.76)
+    policy.tree_cost = measured(0.001, 0.00002)  # a pre-speculation step is cheap beside the verification
+    sequence = FakeSequence(prespeculating=True)
+    plans = rounds_of(policy, sequence, 2 * PROBE_PERIOD, accepts=lambda k: k)
+    assert plans[0].draft_tokens == 0 and plans[0].undrafted == "priced"
+    assert not any(plan.undrafted == "held" for plan in plans[:PROBE_PERIOD])
+    assert any(plan.probe for plan in plans[:PROBE_PERIOD + 1])
+
+
 def test_a_batch_probes_once_a_period_not_once_per_request():
     """Four requests with speculation off, all due to probe: one probes (the estimate it
     measures is shared by its kind), the others wait a period, and the next probe is
@@ -452,6 +472,41 @@ def test_a_catch_up_beside_a_verification_takes_what_one_draft_forward_does_in_i
 
 def replace_quiet(plan: Plan, quiet: int) -> Plan:
     return Plan(plan.draft_tokens, plan.prespeculate, plan.branches, quiet, plan.probe)
+
+
+def to_a_trial(policy: LoadPolicy, tokens: int = 1) -> bool:
+    """Rounds without pre-speculation up to the next on the session tried once a period;
+    whether that is the wide session."""
+    for _ in range(TRIAL_PERIOD):
+        wide = policy.sessions.runs_alone(tokens)
+        if policy.sessions.trialling:
+            return wide
+        policy.sessions.verified(0.004)
+    raise AssertionError("no trial within a period")
+
+
+def test_a_trial_moves_its_curve_half_way_down_and_up_only_as_any_round_does():
+    """A trial of the other session that measured fast moves its curve half way down: the
+    curves price the rounds, and a curve a busy spell had inflated, measured once a period,
+    would take hundreds of rounds to come back. One that fell in a busy moment moves it up
+    by the curves' usual following (a forward is only ever slowed by the machine). Rounds
+    of the usual session follow as ever."""
+    policy = policy_with(measured(0.004, 0.0003), measured(0.0003, 0.00002), acceptance=0.5)
+    policy.alone_cost = measured(0.002, 0.0003)
+    assert to_a_trial(policy) is False  # the wide session is the usual one: the trial is the other's
+    level = policy.verify_cost(1)
+    policy.observe_verify(1, 10 * level, alone=False)  # preempted: ten times its level
+    assert policy.verify_cost(1) == pytest.approx(level * 10 ** FOLLOWING, rel=0.01)
+    policy.sessions.verified(10 * level)
+    assert not policy.sessions.trialling
+    slow = policy.verify_cost(1)
+    to_a_trial(policy)
+    policy.observe_verify(1, slow / 4, alone=False)
+    assert policy.verify_cost(1) == pytest.approx(slow * 0.25 ** TRIAL_FOLLOWING, rel=0.01)
+    policy.sessions.verified(slow / 4)
+    usual = policy.alone_cost(1)
+    policy.observe_verify(1, usual / 4, alone=True)  # not a trial: the usual following
+    assert policy.alone_cost(1) == pytest.approx(usual * 0.25 ** FOLLOWING, rel=0.01)
 
 
 def test_a_round_without_pre_speculation_is_costed_alone():

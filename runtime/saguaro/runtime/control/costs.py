@@ -154,8 +154,9 @@ class CostCurve:
         measured (at one token) still needs its calibration to say what wider ones cost."""
         return len(self.points) > 1
 
-    def observe(self, size: float, seconds: float, lasting: bool = False) -> None:
-        """`lasting`: a calibration point, taken as it is (the fastest of its repeats)."""
+    def observe(self, size: float, seconds: float, lasting: bool = False, following: float = FOLLOWING) -> None:
+        """`lasting`: a calibration point, taken as it is (the fastest of its repeats);
+        `following`: how far the measurement moves the curve toward itself."""
         self._rising = None
         if not lasting:
             self._sizes_measured.add(size)
@@ -174,7 +175,7 @@ class CostCurve:
             return
         correction = seconds / predicted
         for point, share in self._shares(size):
-            self.factors[point] = self.factor(point) * correction ** (FOLLOWING * share)
+            self.factors[point] = self.factor(point) * correction ** (following * share)
         self._bound_below(size)
         self.factors = dict(sorted(self.factors.items()))
 

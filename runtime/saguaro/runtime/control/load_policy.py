@@ -82,7 +82,7 @@ from dataclasses import dataclass, field, replace
 from saguaro.runtime.control.acceptance import UNSEEN_ACCEPTANCE, UNSEEN_HIT_RATE, Acceptance
 from saguaro.runtime.control.calibration import measure_calibration
 from saguaro.runtime.control.clock import ClockCheck
-from saguaro.runtime.control.costs import MOST_BRANCHES, CostCurve, LinearCost, Misprediction, hidden_branches
+from saguaro.runtime.control.costs import FOLLOWING, MOST_BRANCHES, CostCurve, LinearCost, Misprediction, hidden_branches
 from saguaro.runtime.control.round_report import Plan, RoundReport
 from saguaro.runtime.control.sessions import SessionChoice
 
@@ -107,6 +107,12 @@ QUIET_ROUNDS = PROBE_PERIOD
 # repeats (1.5-2 ms every 32 rounds at 16 streams) is a share of a busy server's rounds,
 # while a batch that shrinks is still asked at once whether some K could pay.
 QUIET_BACKOFF = 3
+# How far a verification on the session tried once a period (`SessionChoice`) moves its
+# curve down (up, only as far as any round: `observe_verify`). The curves price the rounds
+# (the one-thread session's, every pre-speculating round): measured there once in 32 rounds
+# while speculation is off, at the curves' usual following a curve a busy spell had
+# inflated took hundreds of rounds to come back, and held speculation off meanwhile.
+TRIAL_FOLLOWING = 0.5
 
 
 class LoadPolicy:
@@ -182,8 +188,14 @@ class LoadPolicy:
         self.probe_spacing = max(PROBE_PERIOD, math.ceil(self.probe_cost / (PROBE_SHARE * max(round_s, 1e-9))))
 
     def observe_verify(self, tokens: int, seconds: float, alone: bool = False) -> None:
-        """`alone`: the target ran alone (no pre-speculation beside it): its own curve."""
-        (self.alone_cost if alone else self.verify_cost).observe(tokens, seconds)
+        """`alone`: the target ran alone (no pre-speculation beside it): its own curve. A
+        trial of the other session moves its curve `TRIAL_FOLLOWING` of the way down, but
+        only as far as any round up: a busy moment only slows a forward, so one trial that
+        measured fast says the session is that fast, while one that measured slow may have
+        been preempted."""
+        curve = self.alone_cost if alone else self.verify_cost
+        faster = curve.known and seconds < curve(tokens)
+        curve.observe(tokens, seconds, following=TRIAL_FOLLOWING if self.sessions.trialling and faster else FOLLOWING)
 
     def observe_drafting(self, requests: int, steps: int, seconds: float) -> None:
         if steps:
@@ -590,9 +602,16 @@ class _Candidate:
 
     def hopeful_variants(self) -> list["_Candidate"]:
         """This request with the `hopeful` draft: without pre-speculation, and with it where
-        it may pre-speculate."""
+        it may pre-speculate, finding its drafts pre-speculated as often as the prior
+        accepts a draft (`UNSEEN_ACCEPTANCE`) or its kind measured, whichever is more. A
+        probe drafts without pre-speculation and measures no hit rate: asked at the
+        unseen prior's 0.5, the bench pair at one stream (hits 0.83-0.92 once measured)
+        was held hopeless after an autoregressive stretch, with no probe, at AR's speed
+        where K = 3 ran 1.2x faster."""
         plain = replace(self, reach=self.hopeful, prespeculating=False)
-        return [plain, replace(plain, prespeculating=True)] if self.hit else [plain]
+        if not self.hit:  # it may not pre-speculate
+            return [plain]
+        return [plain, replace(plain, prespeculating=True, hit=max(self.hit, UNSEEN_ACCEPTANCE))]
 
     def fitted(self, k: int) -> int:
         """`k` within what it may draft this round; a pinned K stays its own."""

@@ -48,6 +48,11 @@ class SessionChoice:
         nearest = min(self.ratios, key=lambda width: (abs(width - tokens), width))
         return statistics.median(self.ratios[nearest]) >= 0.0
 
+    @property
+    def trialling(self) -> bool:
+        """This round verifies on the session tried once a period (until `verified`)."""
+        return self._asked is not None and self._asked[2]
+
     def runs_alone(self, tokens: int) -> bool:
         """This round's session (True: the wide one); once a period, the other one."""
         if not self.enabled:
