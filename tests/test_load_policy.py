@@ -705,6 +705,23 @@ def test_a_draft_that_never_agrees_is_switched_off_and_probed(tiny_pair, tiny_re
     assert sum(stats.rounds_by_k) == stats.rounds == len(plans)
 
 
+def test_a_probe_after_a_stretch_on_the_wide_session_measures_a_draft_step(tiny_pair, tiny_reference):
+    """Rounds on the wide session leave the draft no core, so a request that drafts
+    nothing falls behind: its probe first catches the draft's cache up in a forward of its
+    own, and the step after it is measured as a step (fed in the first step, no probe had
+    measured one, and the draft step stayed at its calibration)."""
+    target, prompt, expected, never = tiny_reference
+    pipeline = with_costs_by_hand(Pipeline(target, Disagreeing(TorchEngine(tiny_pair / "draft"), never)))
+    probes = []
+    pipeline.observe_rounds(lambda batch, report: probes.append((batch[0].plan, report.drafting))
+                            if batch[0].plan.probe else None)
+    options = DecodeOptions(mode="ssd", num_draft_tokens=4, adapt_k=True, max_tokens=120, eos_token_id=-1)
+    assert pipeline.generate(prompt, options, SamplingParams()).output_ids == expected[:120]
+    pipeline.close()
+    assert probes and all(drafting is not None and drafting[:2] == (1, plan.draft_tokens) and drafting[2] > 0
+                          for plan, drafting in probes)
+
+
 def test_with_speculation_off_the_draft_catches_up_while_the_target_verifies_on_its_own_core(tiny_pair,
                                                                                             tiny_reference):
     """Rounds that do not run alone leave the draft's core free: a request that drafts

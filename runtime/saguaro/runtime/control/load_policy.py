@@ -155,7 +155,7 @@ class LoadPolicy:
         self.observe_verify(report.verified_tokens, report.verify_s, report.alone)
         self.sessions.verified(report.verify_s)
         if report.drafting is not None:
-            self.observe_drafting(*report.drafting, report.draft_s)
+            self.observe_drafting(*report.drafting)
         if report.prespeculation is not None:
             self.observe_prespeculation(*report.prespeculation)
         for sequence in report.sequences:

@@ -59,7 +59,7 @@ class RoundReport:
     alone: bool                           # verified on the wide session, nothing beside it
     wait_s: float = 0.0                   # for the draft worker after the verification
     draft_s: float = 0.0                  # ordinary drafting on the critical path
-    drafting: tuple[int, int] | None = None        # (requests, steps) of steady ordinary drafting
+    drafting: tuple[int, int, float] | None = None  # (requests, steps, seconds) of ordinary drafting's steps
     prespeculation: tuple[int, int, float] | None = None  # (branch rows, steps, seconds)
     sequences: list[SequenceRound] = field(default_factory=list)
     undrafted: str | None = "asked"       # why no request drafted (`undrafted_reason`); None: some did
