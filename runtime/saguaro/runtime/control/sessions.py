@@ -79,7 +79,9 @@ class SessionChoice:
 
     def _pair(self, tokens: int, after: float) -> None:
         """The trial waiting for its neighbour after, against the mean of its neighbours."""
-        (width, tried, wide, before), self._trial = self._trial, None  # type: ignore[misc]
+        trial, self._trial = self._trial, None
+        assert trial is not None  # `verified` pairs a trial only
+        width, tried, wide, before = trial
         neighbours = [seconds for seconds in (before, after if tokens == width else None) if seconds]
         if not neighbours or tried <= 0:
             return
