@@ -59,20 +59,22 @@ def test_the_clock_overrules_the_model_only_once_both_kinds_are_measured():
 
 
 def rounds_by_the_clock(policy: LoadPolicy, batch: list[FakeSequence], rounds: int, drafting_s: float,
-                        undrafted_s: float, accepted: int = 1) -> list[list[int]]:
+                        undrafted_s: float, accepted: int = 1, caught_up: bool = False) -> list[list[int]]:
     """`rounds` rounds of `batch`: each drafting request accepts `accepted` drafts; a round
     in which some request that adapts drafted lasts `drafting_s` from its start to the next one's,
-    else `undrafted_s`. Returns each round's K per request."""
+    else `undrafted_s`, and its drafts first caught up a draft cache if `caught_up`.
+    Returns each round's K per request."""
     chosen = []
     for _ in range(rounds):
         plans = policy.choose(batch)
         for sequence, plan in zip(batch, plans):
             sequence.plan = plan
+        adapting_drafted = any(plan.draft_tokens for plan, s in zip(plans, batch) if s.adapts)
         report = RoundReport(len(batch), 0, verify_s=0.001, alone=False, undrafted=undrafted_reason(plans),
                              sequences=[SequenceRound(Acceptance(), True, plan.draft_tokens,
-                                                      min(accepted, plan.draft_tokens)) for plan in plans])
+                                                      min(accepted, plan.draft_tokens)) for plan in plans],
+                             caught_up=caught_up and adapting_drafted)
         policy.observe_round(report)
-        adapting_drafted = any(plan.draft_tokens for plan, s in zip(plans, batch) if s.adapts)
         policy.observe_period(drafting_s if adapting_drafted else undrafted_s)
         chosen.append([plan.draft_tokens for plan in plans])
     return chosen
@@ -90,6 +92,18 @@ def test_the_policy_drafts_nothing_where_the_clock_measured_drafting_slower_and_
     late = chosen[-UNDRAFTED_EVERY:]
     assert all(ks[:2] == [0, 0] or ks[0] == 1 for ks in late)  # nothing, or a probe's one draft
     assert all(ks[2] == 2 for ks in chosen)
+
+
+def test_rounds_whose_drafts_first_caught_up_a_draft_cache_are_not_the_clocks_to_judge():
+    """The same rounds as above, each drafting one first feeding what its draft cache
+    lacked (at one stream, after a stretch without drafts): the clock judges none of them,
+    and the model's choice stands."""
+    policy = policy_with(measured(0.004, 0.0004), measured(0.0003, 0.00002), acceptance=0.6)
+    batch = [FakeSequence(), FakeSequence()]
+    chosen = rounds_by_the_clock(policy, batch, 4 * UNDRAFTED_EVERY, drafting_s=0.030, undrafted_s=0.010,
+                                 caught_up=True)
+    assert all(ks[0] for ks in chosen[-UNDRAFTED_EVERY:])
+    assert not policy.clock.sizes[2].drafting.rounds
 
 
 def test_a_round_the_clock_kept_from_drafting_says_so():

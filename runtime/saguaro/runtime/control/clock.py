@@ -9,7 +9,11 @@ holds the interpreter while a round waits to start. Through the server at 4 stre
 bench pair, w8a8) the model chose K = 1-2 in most rounds and SSD ran at 0.93-0.94x
 batched autoregressive decoding; in one process the same engines drafted in 3-7% of
 rounds. So a round's period is measured from its start to the next round's start (a
-period in which requests joined is left out: its prefill belongs to neither kind), and
+period in which requests joined is left out: its prefill belongs to neither kind, and so
+is a round whose drafts first fed what a draft cache lacked after a stretch without drafts:
+at one stream on the bench pair, short bursts of drafting after such stretches put the
+drafting rate at 131-191 tok/s against 197-204 without drafts, and drafting was vetoed for
+256 rounds; its steady rounds then measured 206-241), and
 where the rounds that drafted committed fewer tokens per second than the rounds that
 did not, at the same batch size, speculation is turned off there for `VETO_ROUNDS`
 rounds; then the model's choice runs again for `RETRY_ROUNDS`, so that drafting is
@@ -108,7 +112,7 @@ class ClockCheck:
 
     def counts(self, drafted: bool | None) -> None:
         """This round counts as drafting (or not); None: the clock does not judge it (every
-        request pinned its own K)."""
+        request pinned its own K, or its drafts first caught up a draft cache)."""
         self._kind = drafted
 
     def committed(self, requests: int, tokens: int) -> None:

@@ -163,6 +163,8 @@ class LoadPolicy:
             if sequence.hit is not None:
                 self.record_lookup(sequence.acceptance, sequence.greedy, sequence.hit)
         self.observe_host(report.requests, report.host_s, report.drafted)
+        if report.caught_up:  # the first round of drafting after a stretch without: the clock's not to judge
+            self.clock.counts(None)
         self.clock.committed(report.requests, sum(sequence.accepted + 1 for sequence in report.sequences))
         whole = report.verify_s + report.wait_s + report.draft_s + report.host_s
         if self._modelled is not None and report.drafted:  # checked against its price

@@ -64,6 +64,7 @@ class RoundReport:
     sequences: list[SequenceRound] = field(default_factory=list)
     undrafted: str | None = "asked"       # why no request drafted (`undrafted_reason`); None: some did
     host_s: float = 0.0                   # what the round took beyond its forwards and waits
+    caught_up: bool = False               # some draft cache first fed the tokens of a stretch without drafts
 
     @property
     def drafted(self) -> bool:

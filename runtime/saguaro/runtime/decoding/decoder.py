@@ -295,7 +295,7 @@ class Decoder:
         pre-speculates, commit."""
         for sequence, plan in zip(batch, self.load_policy.choose(batch)):
             sequence.prepare(plan)
-        drafting_s, drafting = self.draft_misses(batch)
+        drafting_s, drafting, caught_up = self.draft_misses(batch)
         speculating = [s for s in batch if s.speculates]
         steps = [s.verification() for s in batch]  # before the worker starts: it competes for the GIL
         tokens = sum(len(step.step.tokens) for step in steps)
@@ -317,7 +317,7 @@ class Decoder:
                 catching.result()
         report = RoundReport(len(batch), tokens, verifying.seconds, alone, waiting.seconds, drafting_s, drafting,
                              prespeculation_measured(speculating, list(speculations.values())),
-                             undrafted=undrafted_reason([sequence.plan for sequence in batch]))
+                             undrafted=undrafted_reason([sequence.plan for sequence in batch]), caught_up=caught_up)
         for sequence, outcome in zip(batch, outcomes):
             sequence.stats.verify_s += verifying.seconds
             sequence.stats.wait_s += waiting.seconds
@@ -338,10 +338,11 @@ class Decoder:
             sequence.stats.prespeculate_s += elapsed.seconds
         return speculations
 
-    def draft_misses(self, batch: list[Sequence]) -> tuple[float, tuple[int, int, float] | None]:
+    def draft_misses(self, batch: list[Sequence]) -> tuple[float, tuple[int, int, float] | None, bool]:
         """Ordinary drafts, in the worker, before the round's verification, for the
-        sequences that draft this round and have no draft. Returns the time it took and,
-        for the load policy, `(requests, steps, seconds)` of the draft steps. A draft cache
+        sequences that draft this round and have no draft. Returns the time it took, for
+        the load policy `(requests, steps, seconds)` of the draft steps, and whether some
+        draft cache was first caught up. A draft cache
         that lacks more than the round's own tokens (a prompt, or the tokens of a stretch
         at K = 0) is first caught up in a forward of its own, so that the steps after it
         measure a step: fed in the first step, no probe measured one while speculation was
@@ -349,7 +350,7 @@ class Decoder:
         2.46 ms where steps take 1.5), pricing every K below autoregressive decoding."""
         needing = [s for s in batch if s.proposal is None]
         if not needing:
-            return 0.0, None
+            return 0.0, None, False
         behind = [s for s in needing if s.drafter.lag(s.out.ids) > s.plan.draft_tokens + 1]
         with stopwatch() as drafting:
             if behind:
@@ -361,4 +362,4 @@ class Decoder:
         for sequence, draft in zip(needing, drafts):
             sequence.proposal = draft
             sequence.stats.draft_s += drafting.seconds
-        return drafting.seconds, (len(needing), max(len(draft) for draft in drafts), stepping.seconds)
+        return drafting.seconds, (len(needing), max(len(draft) for draft in drafts), stepping.seconds), bool(behind)
