@@ -354,7 +354,7 @@ class Decoder:
         behind = [s for s in needing if s.drafter.lag(s.out.ids) > s.plan.draft_tokens + 1]
         with stopwatch() as drafting:
             if behind:
-                self.worker.submit(lockstep, self.draft, [s.drafter.catch_up(s.out.ids, s.drafter.lag(s.out.ids) - 1)
+                self.worker.submit(lockstep, self.draft, [s.drafter.catch_up(s.out.ids[:-1])  # all but the newest
                                                           for s in behind]).result()
             with stopwatch() as stepping:
                 drafts = self.worker.submit(lockstep, self.draft, [s.drafter.draft(s.out.ids, s.plan.draft_tokens)
