@@ -313,13 +313,16 @@ def test_drafting_before_the_round_is_priced_by_the_chance_that_some_request_mis
     assert policy._missed_drafting_seconds([0.9] * 16) == pytest.approx(some_miss * step(1.6 / some_miss))
 
 
-def rounds_of(policy: LoadPolicy, sequence: FakeSequence, rounds: int, accepts) -> list[Plan]:
+def rounds_of(policy: LoadPolicy, sequence: FakeSequence, rounds: int, accepts, hits: bool | None = None) -> list[Plan]:
     """`rounds` rounds of one request: each verifies what its plan drafts, and `accepts(k)`
-    of them are accepted."""
+    of them are accepted; with `hits` given, a round that pre-speculated finds its
+    branches so (else no lookup is counted)."""
     plans = []
     for _ in range(rounds):
         plan = sequence.plan = policy.choose([sequence])[0]
         policy.record_round(sequence.acceptance, sequence.greedy, plan.draft_tokens, accepts(plan.draft_tokens))
+        if hits is not None and plan.draft_tokens and plan.prespeculate:
+            policy.record_lookup(sequence.acceptance, sequence.greedy, hits)
         plans.append(plan)
     return plans
 
@@ -333,7 +336,8 @@ def test_speculation_that_does_not_pay_turns_off_probes_every_period_and_comes_b
     policy = policy_with(measured(0.004, 0.0003), measured(0.0003, 0.00002), acceptance=0.8)
     policy.shared[True].verified, policy.shared[True].accepted = [], []  # nothing measured yet
     sequence = FakeSequence(prespeculating=True)
-    plans = rounds_of(policy, sequence, 8 + 31 * PROBE_PERIOD, accepts=lambda k: 0)
+    # a draft the target never agrees with never guesses its bonus token either
+    plans = rounds_of(policy, sequence, 8 + 31 * PROBE_PERIOD, accepts=lambda k: 0, hits=False)
     off = next(i for i, plan in enumerate(plans) if plan.draft_tokens == 0)
     assert off <= 2 * REPLAN_ROUNDS and plans[0].draft_tokens == 4  # within two choices
     drafting = [i for i, plan in enumerate(plans) if i > off and plan.draft_tokens]
@@ -383,20 +387,44 @@ def test_a_request_whose_drafts_pay_only_pre_speculated_keeps_probing():
 
 
 def test_a_request_that_may_pre_speculate_is_not_held_hopeless_on_the_unseen_hit_rate():
-    """One stream, its draft's acceptance measured at build time below the optimistic
-    prior, no pre-speculation measured yet (hit rate at the unseen prior, 0.5): drafting
-    after the verification does not pay, pre-speculated drafts do once they hit often. A
+    """One stream, its draft's acceptance measured at build time (0.5, on other text) below
+    what its drafts now show (0.76), no pre-speculation measured yet (hits as likely as the
+    build-time acceptance): drafting after the verification does not pay, pre-speculated
+    drafts do once they hit often. A
     probe cannot measure the hit rate, so the check that holds K = 0 without probes asks
     with hits as likely as the prior's acceptance: the request probes. (The bench pair at
     one stream, after an autoregressive stretch: held with no probe, at AR's speed, where
     K = 3 ran 1.2x faster.)"""
     policy = policy_with(measured(0.004, 0.0004), measured(0.007, 0.00002), acceptance=0.76)
     policy.tree_cost = measured(0.001, 0.00002)  # a pre-speculation step is cheap beside the verification
+    policy.measured_acceptance = (0.5, 0.5, 0.5, 0.5)
     sequence = FakeSequence(prespeculating=True)
     plans = rounds_of(policy, sequence, 2 * PROBE_PERIOD, accepts=lambda k: k)
     assert plans[0].draft_tokens == 0 and plans[0].undrafted == "priced"
     assert not any(plan.undrafted == "held" for plan in plans[:PROBE_PERIOD])
     assert any(plan.probe for plan in plans[:PROBE_PERIOD + 1])
+
+
+def test_a_fresh_policy_prices_pre_speculation_as_its_draft_was_measured_to_agree():
+    """Nothing measured yet, the draft's acceptance measured at build time (0.87, as the
+    bench pair's): a pre-speculated branch is the outcome about as often as the draft's
+    first token is accepted, so the first choice is the one a policy that measured hits
+    that often makes. (A probe drafts without pre-speculation and never measures the hit
+    rate: priced at a flat 0.5, a fresh server's one stream on the bench pair stayed at
+    K = 0 or 1 where pre-speculated K = 4 pays.)"""
+    def fresh_policy():
+        policy = policy_with(measured(0.005, 0.0004), measured(0.008, 0.00002), acceptance=0.0)
+        policy.shared[True].verified, policy.shared[True].accepted = [], []  # nothing measured yet
+        policy.tree_cost = measured(0.0005, 0.00002)  # pre-speculation hides under the verification
+        policy.measured_acceptance = (0.87, 0.87, 0.87, 0.87)
+        return policy
+    seasoned = fresh_policy()
+    for lookup in range(1000):
+        seasoned.record_lookup(Acceptance(), True, hit=lookup % 100 < 87)
+    first, measured_choice = (policy.choose([FakeSequence(prespeculating=True)])[0]
+                              for policy in (fresh_policy(), seasoned))
+    assert first.draft_tokens == measured_choice.draft_tokens == 4
+    assert first.prespeculate and measured_choice.prespeculate
 
 
 def test_a_batch_probes_once_a_period_not_once_per_request():

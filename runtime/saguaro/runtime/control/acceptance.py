@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 PRIOR_WEIGHT = 8.0                # pseudo-rounds of the shared estimate in a request's own
 # Before anything was measured: optimistic about acceptance, so that the first rounds
 # draft and measure it.
-UNSEEN_ACCEPTANCE, UNSEEN_HIT_RATE = 0.8, 0.5
+UNSEEN_ACCEPTANCE = 0.8
 
 
 @dataclass
