@@ -15,16 +15,22 @@ at one stream on the bench pair, short bursts of drafting after such stretches p
 drafting rate at 131-191 tok/s against 197-204 without drafts, and drafting was vetoed for
 256 rounds; its steady rounds then measured 206-241), and
 where the rounds that drafted committed fewer tokens per second than the rounds that
-did not, at the same batch size, speculation is turned off there for `VETO_ROUNDS`
-rounds; then the model's choice runs again for `RETRY_ROUNDS`, so that drafting is
-measured afresh. While drafting, one round in `UNDRAFTED_EVERY` at a batch size drafts
-nothing, so that the other side of the comparison stays measured too (on the bench pair
-at one stream, where SSD runs at 1.2x, that round costs about half a percent); one in
-`UNMEASURED_EVERY` until it is measured there (once drafting is), so that the clock can
-judge within the first hundred rounds at a batch size.
+did not, at the same batch size, by more than the two rates' standard error (a drafting
+round commits 1 to K + 1 tokens a request, so a few rounds' rate is noisy: at one stream on
+the bench pair a fresh process's first nine drafting rounds, three of them accepting 0 or
+1 of 4 drafts, measured 282 tok/s against 331 without drafts, and drafting was vetoed for
+the 256 rounds of most of the first requests, where it ran at 430-530 tok/s after),
+speculation is turned off there for `VETO_ROUNDS` rounds; then the model's choice runs
+again for `RETRY_ROUNDS`, so that drafting is measured afresh. While drafting, one round
+in `UNDRAFTED_EVERY` at a batch size drafts nothing, so that the other side of the
+comparison stays measured too (on the bench pair at one stream, where SSD runs at 1.2x,
+that round costs about half a percent); one in `UNMEASURED_EVERY` until it is measured
+there (once drafting is), so that the clock can judge within the first hundred rounds at
+a batch size.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 CLOCK_FADING = 0.97    # weight of the earlier rounds of a kind after each new one
@@ -37,16 +43,23 @@ RETRY_ROUNDS = 16      # ... before the model's choice is measured again for thi
 
 @dataclass
 class Rate:
-    """Committed tokens over seconds of the rounds of one kind, older rounds fading."""
+    """Committed tokens over seconds of the rounds of one kind, older rounds fading; with
+    the sums its standard error needs."""
 
     tokens: float = 0.0
     seconds: float = 0.0
     rounds: float = 0.0
+    squares: tuple[float, float, float] = (0.0, 0.0, 0.0)  # sums of tokens², tokens x seconds, seconds²
+    weight_squares: float = 0.0  # the sum of each round's weight squared (it fades twice as fast)
 
     def observe(self, tokens: int, seconds: float) -> None:
         self.tokens = CLOCK_FADING * self.tokens + tokens
         self.seconds = CLOCK_FADING * self.seconds + seconds
         self.rounds = CLOCK_FADING * self.rounds + 1
+        tokens_2, tokens_seconds, seconds_2 = self.squares
+        self.squares = (CLOCK_FADING * tokens_2 + tokens * tokens, CLOCK_FADING * tokens_seconds + tokens * seconds,
+                        CLOCK_FADING * seconds_2 + seconds * seconds)
+        self.weight_squares = CLOCK_FADING ** 2 * self.weight_squares + 1
 
     @property
     def measured(self) -> bool:
@@ -55,6 +68,15 @@ class Rate:
     @property
     def per_second(self) -> float:
         return self.tokens / self.seconds
+
+    @property
+    def variance(self) -> float:
+        """Of `per_second`, a ratio of weighted sums: the rounds' mean squared residual
+        (tokens - rate x seconds) times the sum of squared weights, over seconds squared."""
+        rate = self.per_second
+        tokens_2, tokens_seconds, seconds_2 = self.squares
+        residual = max(tokens_2 - 2 * rate * tokens_seconds + rate * rate * seconds_2, 0.0) / self.rounds
+        return residual * self.weight_squares / (self.seconds * self.seconds)
 
 
 @dataclass
@@ -69,9 +91,12 @@ class SizeClock:
 
     @property
     def losing(self) -> bool:
-        """Drafting measured slower than drafting nothing, both measured enough."""
-        return (self.drafting.measured and self.undrafted.measured
-                and self.drafting.per_second < self.undrafted.per_second)
+        """Drafting measured slower than drafting nothing beyond the noise of either rate,
+        both measured enough."""
+        if not (self.drafting.measured and self.undrafted.measured):
+            return False
+        noise = math.sqrt(self.drafting.variance + self.undrafted.variance)
+        return self.drafting.per_second + noise < self.undrafted.per_second
 
     def allows(self) -> bool:
         """Whether this round, one its model chose to draft in, may: not while a veto holds,
