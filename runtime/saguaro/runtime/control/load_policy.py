@@ -167,7 +167,11 @@ class LoadPolicy:
             self.clock.counts(None)
         self.clock.committed(report.requests, sum(sequence.accepted + 1 for sequence in report.sequences))
         whole = report.verify_s + report.wait_s + report.draft_s + report.host_s
-        if self._modelled is not None and report.drafted:  # checked against its price
+        # checked against its price; not a round whose drafts first caught up a draft cache:
+        # the model spreads that forward over the rounds it serves (`_catch_up_seconds`),
+        # the round pays it whole, and at one stream (a prompt per request, stretches at
+        # K = 0) such rounds held every drafting price 1.2-1.7x above what steady rounds take
+        if self._modelled is not None and report.drafted and not report.caught_up:
             modelled, undrafted, speculating = self._modelled
             self.misprediction[speculating].observe(report.requests, whole - undrafted, modelled - undrafted)
         elif not report.drafted:  # nothing measured it: what the last drafting rounds showed ages
