@@ -390,11 +390,10 @@ def test_a_request_that_may_pre_speculate_is_not_held_hopeless_on_the_unseen_hit
     """One stream, its draft's acceptance measured at build time (0.5, on other text) below
     what its drafts now show (0.76), no pre-speculation measured yet (hits as likely as the
     build-time acceptance): drafting after the verification does not pay, pre-speculated
-    drafts do once they hit often. A
-    probe cannot measure the hit rate, so the check that holds K = 0 without probes asks
-    with hits as likely as the prior's acceptance: the request probes. (The bench pair at
-    one stream, after an autoregressive stretch: held with no probe, at AR's speed, where
-    K = 3 ran 1.2x faster.)"""
+    drafts do once they hit often. A probe cannot measure the hit rate, so the check that
+    holds K = 0 without probes asks with hits as likely as the prior's acceptance: the
+    request probes. (The bench pair at one stream, after an autoregressive stretch: held
+    with no probe, at AR's speed, where K = 3 ran 1.2x faster.)"""
     policy = policy_with(measured(0.004, 0.0004), measured(0.007, 0.00002), acceptance=0.76)
     policy.tree_cost = measured(0.001, 0.00002)  # a pre-speculation step is cheap beside the verification
     policy.measured_acceptance = (0.5, 0.5, 0.5, 0.5)
