@@ -566,6 +566,40 @@ def wait_until(condition, timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def test_a_server_is_ready_only_once_http_metrics_and_grpc_all_answer(tmp_path):
+    """Triton says ready over HTTP before its metrics endpoint listens: a client that
+    scraped metrics right after was refused, so readiness waits for all three."""
+    import socket
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from saguaro.serving.triton_server import Ports, TritonServer, free_port
+
+    class Ok(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the handler's name in http.server
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    http, grpc = ThreadingHTTPServer(("127.0.0.1", 0), Ok), socket.create_server(("127.0.0.1", 0))
+    ports = Ports(grpc=grpc.getsockname()[1], http=http.server_address[1], metrics=free_port())
+    server = TritonServer(model_repo=tmp_path, run_dir=tmp_path, ports=ports)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        assert not server.is_ready()  # nothing listens on the metrics port yet
+        metrics = ThreadingHTTPServer(("127.0.0.1", ports.metrics), Ok)
+        threading.Thread(target=metrics.serve_forever, daemon=True).start()
+        assert server.is_ready()
+        grpc.close()
+        assert not server.is_ready()
+        metrics.shutdown()
+    finally:
+        http.shutdown()
+        grpc.close()
+
+
 def test_a_guarded_server_keeps_sigterm_pending_for_the_launcher_and_stops_on_sigint():
     sleeper = subprocess.Popen(guarded(os.getpid(), "/bin/sleep", "60"))
     try:

@@ -108,6 +108,23 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def answers(url: str) -> bool:
+    """An HTTP GET of `url` returns 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def accepts_connections(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
 def local_address(host: str) -> str:
     """Where this machine reaches a server bound to `host`: a wildcard bind (every
     interface) answers on the loopback; any other address is itself."""
@@ -218,11 +235,12 @@ class TritonServer:
         return self
 
     def is_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.address}:{self.ports.http}/v2/health/ready", timeout=2) as reply:
-                return reply.status == 200
-        except OSError:
-            return False
+        """Ready on all three endpoints: Triton reports its models ready over HTTP before its
+        metrics endpoint listens (a load benchmark's first scrape right after HTTP said ready
+        was refused once), and clients use gRPC."""
+        return (answers(f"http://{self.address}:{self.ports.http}/v2/health/ready")
+                and answers(f"http://{self.address}:{self.ports.metrics}/metrics")
+                and accepts_connections(self.address, self.ports.grpc))
 
     def wait_ready(self, timeout_s: float, interrupted: Callable[[], bool] = lambda: False) -> None:
         assert self.process is not None  # start made it
