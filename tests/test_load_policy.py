@@ -25,10 +25,10 @@ from saguaro.runtime.control.load_policy import (
     PROBE_SHARE,
     QUIET_ROUNDS,
     REPLAN_ROUNDS,
-    TRIAL_FOLLOWING,
     LoadPolicy,
     probe_period,
 )
+from saguaro.runtime.control.round_price import TRIAL_FOLLOWING
 from saguaro.runtime.control.round_report import Plan, RoundReport, undrafted_reason
 from saguaro.runtime.control.sessions import TRIAL_PERIOD
 from saguaro.runtime.core.contracts import Rows, Step
@@ -62,7 +62,7 @@ def measured(intercept_s: float, per_token_s: float) -> CostCurve:
 
 def policy_with(verify: LinearCost, step: LinearCost, acceptance: float) -> LoadPolicy:
     policy = LoadPolicy(target=None, draft=None)  # costs given: no calibration forwards
-    policy.verify_cost, policy.draft_cost, policy.tree_cost = verify, step, step
+    policy.price.verify_cost, policy.price.draft_cost, policy.price.tree_cost = verify, step, step
     shared = policy.shared[True]  # as if many rounds accepted each depth with `acceptance`
     shared.verified, shared.accepted = [1000.0] * 4, [1000.0 * acceptance] * 4
     return policy
@@ -148,11 +148,11 @@ def test_a_verify_measured_slower_than_calibrated_prices_wider_ones_dearer_too()
     with the level measured at 16 it costs a third more too, and K stays 0."""
     calibration = {1: 0.015, 16: 0.033, 32: 0.0587, 48: 0.082}
     policy = policy_with(CostCurve(calibration), CostCurve({1: 0.0022, 16: 0.005, 32: 0.0095}), acceptance=0.45)
-    policy.alone_cost = CostCurve(calibration)
-    policy.observe_host(16, 0.008)
+    policy.price.alone_cost = CostCurve(calibration)
+    policy.price.observe_host(16, 0.008)
     for _ in range(300):
-        policy.observe_verify(16, 0.043, alone=True)
-    assert policy.alone_cost(32) == pytest.approx(0.0587 * 0.043 / 0.033, rel=0.01)
+        policy.price.observe_verify(16, 0.043, alone=True)
+    assert policy.price.alone_cost(32) == pytest.approx(0.0587 * 0.043 / 0.033, rel=0.01)
     assert [plan.draft_tokens for plan in policy.choose([FakeSequence() for _ in range(16)])] == [0] * 16
 
 
@@ -162,18 +162,18 @@ def test_calibration_gives_a_curve_its_shape_even_after_autoregressive_rounds_me
     (the one point scaled), and drafting would never look as if it paid."""
     target, draft = TorchEngine(tiny_pair / "target"), TorchEngine(tiny_pair / "draft")
     policy = LoadPolicy(target, draft)
-    policy.observe_verify(1, 0.004)
-    policy.observe_verify(1, 0.004, alone=True)
+    policy.price.observe_verify(1, 0.004)
+    policy.price.observe_verify(1, 0.004, alone=True)
     for _ in range(20):
-        policy.observe_verify(16, 0.5, alone=True)  # measured against the one point's guess
+        policy.price.observe_verify(16, 0.5, alone=True)  # measured against the one point's guess
     policy.calibrate()
-    for curve in (policy.verify_cost, policy.alone_cost, policy.draft_cost):
+    for curve in (policy.price.verify_cost, policy.price.alone_cost, policy.price.draft_cost):
         assert len(curve.points) > 4 and 5 in curve.points
-    for curve in (policy.alone_cost, policy.draft_cost):  # measured at several sizes, or none
+    for curve in (policy.price.alone_cost, policy.price.draft_cost):  # measured at several sizes, or none
         assert curve(16) == pytest.approx(CostCurve(curve.points)(16))  # the calibration's, nothing carried over
-    shape = CostCurve(policy.verify_cost.points)  # measured at one size: the calibration's shape at that level
-    assert policy.verify_cost(1) == pytest.approx(0.004)
-    assert policy.verify_cost(5) == pytest.approx(shape(5) * 0.004 / shape(1))
+    shape = CostCurve(policy.price.verify_cost.points)  # measured at one size: the calibration's shape at that level
+    assert policy.price.verify_cost(1) == pytest.approx(0.004)
+    assert policy.price.verify_cost(5) == pytest.approx(shape(5) * 0.004 / shape(1))
 
 
 def test_host_time_fits_a_line_and_older_measurements_fade():
@@ -271,8 +271,8 @@ def test_the_policy_starts_from_a_calibration_taken_on_this_machine_without_meas
     target.info = replace(target.info, calibration=here)
     policy = LoadPolicy(target, draft)
     policy.calibrate()
-    assert not measured_now and policy.verify_cost.points == here.verify and policy.alone_cost.points == here.alone
-    assert policy.draft_cost.points == here.draft == policy.tree_cost.points
+    assert not measured_now and policy.price.verify_cost.points == here.verify and policy.price.alone_cost.points == here.alone
+    assert policy.price.draft_cost.points == here.draft == policy.price.tree_cost.points
     target.info = replace(target.info, calibration=replace(here, machine="another machine"))
     LoadPolicy(target, draft).calibrate()
     assert measured_now == [1]  # taken elsewhere: measured here, the same way
@@ -305,12 +305,12 @@ def test_drafting_before_the_round_is_priced_by_the_chance_that_some_request_mis
     round once in 10 rounds, not in every round; in a batch, the step runs when any request
     misses, for the requests that missed."""
     policy = policy_with(measured(0.004, 0.0004), measured(0.002, 0.0005), acceptance=0.8)
-    step = policy.draft_cost
-    assert policy._missed_drafting_seconds([0.9]) == pytest.approx(0.1 * step(1))
-    assert policy._missed_drafting_seconds([0.0]) == pytest.approx(step(1))  # no pre-speculation
-    assert policy._missed_drafting_seconds([1.0, 1.0]) == 0.0
+    step = policy.price.draft_cost
+    assert policy.price.missed_drafting_seconds([0.9]) == pytest.approx(0.1 * step(1))
+    assert policy.price.missed_drafting_seconds([0.0]) == pytest.approx(step(1))  # no pre-speculation
+    assert policy.price.missed_drafting_seconds([1.0, 1.0]) == 0.0
     some_miss = 1 - 0.9 ** 16
-    assert policy._missed_drafting_seconds([0.9] * 16) == pytest.approx(some_miss * step(1.6 / some_miss))
+    assert policy.price.missed_drafting_seconds([0.9] * 16) == pytest.approx(some_miss * step(1.6 / some_miss))
 
 
 def rounds_of(policy: LoadPolicy, sequence: FakeSequence, rounds: int, accepts, hits: bool | None = None) -> list[Plan]:
@@ -375,7 +375,7 @@ def test_a_request_whose_drafts_pay_only_pre_speculated_keeps_probing():
     request was held hopeless with no probe for the rest of its life (the bench pair at
     one stream: K = 0 in most rounds where K = 3 ran 1.15x faster)."""
     policy = policy_with(measured(0.004, 0.0004), measured(0.004, 0.00002), acceptance=0.9)
-    policy.tree_cost = measured(0.001, 0.00002)  # a pre-speculation step is cheap beside the verification
+    policy.price.tree_cost = measured(0.001, 0.00002)  # a pre-speculation step is cheap beside the verification
     sequence = FakeSequence(prespeculating=True)
     for _ in range(30):
         sequence.acceptance.record(4, 0)  # its own drafts: all rejected
@@ -395,7 +395,7 @@ def test_a_request_that_may_pre_speculate_is_not_held_hopeless_on_the_unseen_hit
     request probes. (The bench pair at one stream, after an autoregressive stretch: held
     with no probe, at AR's speed, where K = 3 ran 1.2x faster.)"""
     policy = policy_with(measured(0.004, 0.0004), measured(0.007, 0.00002), acceptance=0.76)
-    policy.tree_cost = measured(0.001, 0.00002)  # a pre-speculation step is cheap beside the verification
+    policy.price.tree_cost = measured(0.001, 0.00002)  # a pre-speculation step is cheap beside the verification
     policy.measured_acceptance = (0.5, 0.5, 0.5, 0.5)
     sequence = FakeSequence(prespeculating=True)
     plans = rounds_of(policy, sequence, 2 * PROBE_PERIOD, accepts=lambda k: k)
@@ -414,7 +414,7 @@ def test_a_fresh_policy_prices_pre_speculation_as_its_draft_was_measured_to_agre
     def fresh_policy():
         policy = policy_with(measured(0.005, 0.0004), measured(0.008, 0.00002), acceptance=0.0)
         policy.shared[True].verified, policy.shared[True].accepted = [], []  # nothing measured yet
-        policy.tree_cost = measured(0.0005, 0.00002)  # pre-speculation hides under the verification
+        policy.price.tree_cost = measured(0.0005, 0.00002)  # pre-speculation hides under the verification
         policy.measured_acceptance = (0.87, 0.87, 0.87, 0.87)
         return policy
     seasoned = fresh_policy()
@@ -519,21 +519,21 @@ def test_a_trial_moves_its_curve_half_way_down_and_up_only_as_any_round_does():
     by the curves' usual following (a forward is only ever slowed by the machine). Rounds
     of the usual session follow as ever."""
     policy = policy_with(measured(0.004, 0.0003), measured(0.0003, 0.00002), acceptance=0.5)
-    policy.alone_cost = measured(0.002, 0.0003)
+    policy.price.alone_cost = measured(0.002, 0.0003)
     assert to_a_trial(policy) is False  # the wide session is the usual one: the trial is the other's
-    level = policy.verify_cost(1)
-    policy.observe_verify(1, 10 * level, alone=False)  # preempted: ten times its level
-    assert policy.verify_cost(1) == pytest.approx(level * 10 ** FOLLOWING, rel=0.01)
+    level = policy.price.verify_cost(1)
+    policy.price.observe_verify(1, 10 * level, alone=False)  # preempted: ten times its level
+    assert policy.price.verify_cost(1) == pytest.approx(level * 10 ** FOLLOWING, rel=0.01)
     policy.sessions.verified(10 * level)
     assert not policy.sessions.trialling
-    slow = policy.verify_cost(1)
+    slow = policy.price.verify_cost(1)
     to_a_trial(policy)
-    policy.observe_verify(1, slow / 4, alone=False)
-    assert policy.verify_cost(1) == pytest.approx(slow * 0.25 ** TRIAL_FOLLOWING, rel=0.01)
+    policy.price.observe_verify(1, slow / 4, alone=False)
+    assert policy.price.verify_cost(1) == pytest.approx(slow * 0.25 ** TRIAL_FOLLOWING, rel=0.01)
     policy.sessions.verified(slow / 4)
-    usual = policy.alone_cost(1)
-    policy.observe_verify(1, usual / 4, alone=True)  # not a trial: the usual following
-    assert policy.alone_cost(1) == pytest.approx(usual * 0.25 ** FOLLOWING, rel=0.01)
+    usual = policy.price.alone_cost(1)
+    policy.price.observe_verify(1, usual / 4, alone=True)  # not a trial: the usual following
+    assert policy.price.alone_cost(1) == pytest.approx(usual * 0.25 ** FOLLOWING, rel=0.01)
 
 
 def test_a_round_without_pre_speculation_is_costed_alone():
@@ -543,7 +543,7 @@ def test_a_round_without_pre_speculation_is_costed_alone():
     verify, draft = measured(0.004, 0.0003), measured(0.0015, 0.00002)
     shared_cores = policy_with(verify, draft, acceptance=0.5)
     alone = policy_with(verify, draft, acceptance=0.5)
-    alone.alone_cost = measured(0.002, 0.00015)
+    alone.price.alone_cost = measured(0.002, 0.00015)
     assert shared_cores.choose([FakeSequence()])[0].draft_tokens > 0
     assert alone.choose([FakeSequence()])[0].draft_tokens == 0
 
@@ -553,11 +553,11 @@ def test_a_round_without_pre_speculation_is_priced_on_the_session_its_rounds_use
     session choice keeps them there, and with the one-thread session's once paired trials
     moved them (`SessionChoice`)."""
     policy = policy_with(measured(0.004, 0.0003), measured(0.0003, 0.00002), acceptance=0.5)
-    policy.alone_cost = measured(0.002, 0.0003)
-    assert policy._verify_seconds(1, alone=True) == pytest.approx(0.0023)
-    assert policy._verify_seconds(1, alone=False) == pytest.approx(0.0043)
+    policy.price.alone_cost = measured(0.002, 0.0003)
+    assert policy.price.verify_seconds(1, alone=True) == pytest.approx(0.0023)
+    assert policy.price.verify_seconds(1, alone=False) == pytest.approx(0.0043)
     policy.sessions.ratios[1] = deque([-0.2])  # trials said: the one-thread session is faster
-    assert policy._verify_seconds(1, alone=True) == pytest.approx(0.0043)
+    assert policy.price.verify_seconds(1, alone=True) == pytest.approx(0.0043)
 
 
 def test_a_misprediction_follows_what_the_rounds_measured_by_batch_size():
@@ -608,7 +608,7 @@ def test_drafting_rounds_measured_dearer_than_priced_turn_speculation_off_within
     policy, batch = policy_and_batch()
     drafted = rounds_measured_at(policy, batch, 3 * REPLAN_ROUNDS, mispriced=1.5)
     assert drafted[0] > 0 and not any(drafted[2 * REPLAN_ROUNDS:])
-    assert policy.misprediction[False](4) > 1.2 and policy.misprediction[True](4) == 1.0  # pre-speculating apart
+    assert policy.price.misprediction[False](4) > 1.2 and policy.price.misprediction[True](4) == 1.0  # pre-speculating apart
 
 
 def test_rounds_whose_drafts_first_caught_up_a_draft_cache_leave_the_misprediction_alone():
@@ -621,9 +621,9 @@ def test_rounds_whose_drafts_first_caught_up_a_draft_cache_leave_the_mispredicti
     policy = policy_with(measured(0.004, 0.0004), measured(0.001, 0.00002), acceptance=0.6)
     batch = [FakeSequence()]
     drafted = rounds_measured_at(policy, batch, 2 * REPLAN_ROUNDS, mispriced=3.0, caught_up=True)
-    assert all(drafted) and policy.misprediction[False](1) == 1.0
+    assert all(drafted) and policy.price.misprediction[False](1) == 1.0
     rounds_measured_at(policy, batch, 2 * REPLAN_ROUNDS, mispriced=3.0)  # the same rounds, steady
-    assert policy.misprediction[False](1) > 1.5
+    assert policy.price.misprediction[False](1) > 1.5
 
 
 def test_speculation_a_slow_spell_turned_off_comes_back_once_its_misprediction_fades():
@@ -638,12 +638,12 @@ def test_speculation_a_slow_spell_turned_off_comes_back_once_its_misprediction_f
     assert all(rounds_measured_at(policy, batch, REPLAN_ROUNDS, mispriced=1.0))  # drafting pays here
     drafted = rounds_measured_at(policy, batch, 2 * REPLAN_ROUNDS, mispriced=MOST_MISPREDICTION)
     assert not any(drafted[-REPLAN_ROUNDS:])  # the slow spell turned it off
-    stuck = policy.misprediction[False](1)
+    stuck = policy.price.misprediction[False](1)
     assert stuck > 1.5
     drafted = rounds_measured_at(policy, batch, 8 * MISPREDICTION_HALF_LIFE, mispriced=1.0)
     back = next(i for i, k in enumerate(drafted) if k)
     assert MISPREDICTION_HALF_LIFE // 4 <= back < 6 * MISPREDICTION_HALF_LIFE  # not at once: faded first
-    assert all(drafted[-REPLAN_ROUNDS:]) and policy.misprediction[False](1) < 1.1
+    assert all(drafted[-REPLAN_ROUNDS:]) and policy.price.misprediction[False](1) < 1.1
 
 
 class Disagreeing:
@@ -675,12 +675,13 @@ def with_costs_by_hand(pipeline: Pipeline) -> Pipeline:
     following, no correction, no clock, probes at their period), so that its choices depend
     on the acceptance the real rounds show only."""
     policy = pipeline.schedulers[0].decoder.load_policy
-    policy.verify_cost, policy.draft_cost = measured(0.004, 0.0003), measured(0.0003, 0.00002)
-    policy.tree_cost, policy.alone_cost = policy.draft_cost, policy.verify_cost
-    for name in ("observe_verify", "observe_drafting", "observe_prespeculation", "observe_host", "observe_probe",
-                 "observe_period"):
+    policy.price.verify_cost, policy.price.draft_cost = measured(0.004, 0.0003), measured(0.0003, 0.00002)
+    policy.price.tree_cost, policy.price.alone_cost = policy.price.draft_cost, policy.price.verify_cost
+    for name in ("observe_verify", "observe_drafting", "observe_prespeculation", "observe_host"):
+        setattr(policy.price, name, lambda *args, **kwargs: None)
+    for name in ("observe_probe", "observe_period"):
         setattr(policy, name, lambda *args, **kwargs: None)
-    for correction in policy.misprediction.values():
+    for correction in policy.price.misprediction.values():
         correction.observe = lambda *args, **kwargs: None
     return pipeline
 
@@ -726,7 +727,7 @@ def test_a_request_that_drafts_nothing_is_not_steered_even_with_adapt_k(tiny_pai
     pipeline.close()
     assert generation.output_ids == expected[:40]
     assert len(plans) == 40 and all(undrafted_reason([plan]) == "asked" for plan in plans)
-    assert not policy.verify_cost.shaped  # no calibration measured for it
+    assert not policy.price.verify_cost.shaped  # no calibration measured for it
 
 
 def test_a_draft_that_never_agrees_is_switched_off_and_probed(tiny_pair, tiny_reference):
@@ -973,7 +974,7 @@ def test_a_fresh_policy_starts_from_the_acceptance_the_draft_was_measured_at():
     def fresh(acceptance: tuple[float, ...]) -> LoadPolicy:
         draft = type("Draft", (), {"info": type("Info", (), {"acceptance": acceptance})()})()
         policy = LoadPolicy(target=None, draft=draft)
-        policy.verify_cost, policy.draft_cost, policy.tree_cost = costs["verify"], costs["step"], costs["step"]
+        policy.price.verify_cost, policy.price.draft_cost, policy.price.tree_cost = costs["verify"], costs["step"], costs["step"]
         return policy
 
     assert fresh(()).choose([FakeSequence()])[0].draft_tokens > 0
@@ -1060,7 +1061,7 @@ def test_speculation_off_at_a_load_no_k_could_beat_holds_while_requests_join_and
     assert len(weighed) == 2 * chosen_once  # the second such choice in a row holds twice as long
     rounds(1)
     assert len(weighed) == 3 * chosen_once
-    policy.verify_cost = measured(0.005, 0.00002)  # weight-bound now: drafting could pay ...
+    policy.price.verify_cost = measured(0.005, 0.00002)  # weight-bound now: drafting could pay ...
     del batch[1:]
     policy.choose(batch)
     assert len(weighed) == 4 * chosen_once  # ... so the smaller batch is weighed again

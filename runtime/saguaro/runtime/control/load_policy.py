@@ -5,33 +5,9 @@ Speculation trades target compute for draft work: a round verifies `K + 1` token
 request to commit `E(K)` of them. At batch 1 the target is weight-bound and verifying
 five tokens costs little more than one, so drafting pays; in a full batch every verified
 token costs compute, and drafts that are rejected are paid for by every other request.
-The policy models a round from what the decoder measures as it runs:
-
-    verify(N)   one target verification over N tokens (N = sum of K_r + 1)
-    draft(R)    one step of ordinary drafting for R requests
-    tree(R)     one step of pre-speculation over R branch rows
-                (each a `CostCurve`: calibrated at a ladder of sizes, then following the rounds)
-    host(n)     the rest of a round of n requests (host work): a + b n
-
-    alone(N)    verify(N) with nothing of the draft's beside it, on both cores (`run_alone`)
-
-    E_r(K)    = 1 + sum_{i=1..K} alpha_1 ... alpha_i      (alpha_j: P(accept depth j | j-1 accepted))
-    T(K)      = verify(sum K_r + 1) + host(n) + max K_r * P(miss) * draft(misses | miss)
-                + max(0, (max K_r + 1) * tree(branch rows) - verify)
-                + tree(L) / L * sum_r L_r / R_r(K_r)
-                (P(miss) = 1 - prod_r h_r: some request drafts before the round, finding no
-                pre-speculated draft, h_r its hit rate, 0 without pre-speculation; those
-                that do, sum_r (1 - h_r) / P(miss) of them on average;
-                alone(...) for verify when no request pre-speculates; L_r: the tokens request
-                r's draft cache lacks beyond K_r + 1, L their sum, fed in one forward before
-                the first draft step: paid once, so spread over R_r(K) = room_r / E_r(K), the
-                rounds the request has left)
-                and for a round that drafts, what it adds to T(0) times m(n): measured over
-                modelled of what the drafting rounds of n requests added (`costs.Misprediction`:
-                what no curve holds; fading toward 1 over rounds that draft nothing, which
-                measure it not)
-
-and picks the K of every request that maximises the batch's tokens per second,
+The policy prices a round from what the decoder measures as it runs (`control.round_price`:
+the verification, the draft's steps, pre-speculation's overrun, host work, each as a
+cost curve) and picks the K of every request that maximises the batch's tokens per second,
 `sum E_r(K_r) / T(K)`: the best K shared by all first, then one pass that moves each
 request's K by one where that pays (a request whose drafts are rejected more often drafts
 less), with and without pre-speculation (it pays when its hits save more drafting than
@@ -82,7 +58,7 @@ from dataclasses import dataclass, field, replace
 from saguaro.runtime.control.acceptance import UNSEEN_ACCEPTANCE, Acceptance
 from saguaro.runtime.control.calibration import measure_calibration
 from saguaro.runtime.control.clock import ClockCheck
-from saguaro.runtime.control.costs import FOLLOWING, MOST_BRANCHES, CostCurve, LinearCost, Misprediction, hidden_branches
+from saguaro.runtime.control.round_price import Candidate, RoundPrice, prespeculates
 from saguaro.runtime.control.round_report import Plan, RoundReport
 from saguaro.runtime.control.sessions import SessionChoice
 
@@ -107,12 +83,6 @@ QUIET_ROUNDS = PROBE_PERIOD
 # repeats (1.5-2 ms every 32 rounds at 16 streams) is a share of a busy server's rounds,
 # while a batch that shrinks is still asked at once whether some K could pay.
 QUIET_BACKOFF = 3
-# How far a verification on the session tried once a period (`SessionChoice`) moves its
-# curve down (up, only as far as any round: `observe_verify`). The curves price the rounds
-# (the one-thread session's, every pre-speculating round): measured there once in 32 rounds
-# while speculation is off, at the curves' usual following a curve a busy spell had
-# inflated took hundreds of rounds to come back, and held speculation off meanwhile.
-TRIAL_FOLLOWING = 0.5
 
 
 class LoadPolicy:
@@ -120,9 +90,8 @@ class LoadPolicy:
     the decoder verifies a round without pre-speculation alone (`Decoder.alone`)."""
 
     def __init__(self, target, draft, alone: bool = True):
-        self.verify_cost, self.draft_cost, self.tree_cost = CostCurve(), CostCurve(), CostCurve()
-        self.alone_cost = CostCurve()  # verify(N) with nothing of the draft's beside it (`run_alone`)
         self.sessions = SessionChoice(alone)  # which session verifies a round without pre-speculation
+        self.price = RoundPrice(self.sessions)  # T(K): the cost curves, host work, misprediction
         self._kept: _KeptChoice | None = None  # the last choice, while its batch runs on
         self._hopeless = False  # the last choice: K = 0 for all, and no K could pay at this load
         self._hopeless_choices = 0  # such choices in a row
@@ -131,12 +100,6 @@ class LoadPolicy:
         # the batch (each of 4 requests probing on its own period had a draft forward in one
         # round of eight, 0.88-0.92x autoregressive speed at 4 streams)
         self._since_probe = {greedy: 1 << 30 for greedy in (True, False)}
-        # host work per round, apart for rounds that draft (proposals, features, commits) and
-        # rounds that do not: on a small target it is a large share of a round, and K > 0
-        # must pay for its own
-        self.host_cost, self.drafting_host_cost = LinearCost(), LinearCost()
-        # by whether the round pre-speculates: its overrun and hits are errors of their own
-        self.misprediction = {speculating: Misprediction() for speculating in (True, False)}
         # the round chosen to draft: the model's seconds for it and for the same batch drafting
         # nothing, and whether it pre-speculates
         self._modelled: tuple[float, float, bool] | None = None
@@ -152,31 +115,31 @@ class LoadPolicy:
 
     def observe_round(self, report: RoundReport) -> None:
         """Everything a round measured: forward costs, host work, acceptance, lookups."""
-        self.observe_verify(report.verified_tokens, report.verify_s, report.alone)
+        price = self.price
+        price.observe_verify(report.verified_tokens, report.verify_s, report.alone)
         self.sessions.verified(report.verify_s)
         if report.drafting is not None:
-            self.observe_drafting(*report.drafting)
+            price.observe_drafting(*report.drafting)
         if report.prespeculation is not None:
-            self.observe_prespeculation(*report.prespeculation)
+            price.observe_prespeculation(*report.prespeculation)
         for sequence in report.sequences:
             self.record_round(sequence.acceptance, sequence.greedy, sequence.verified, sequence.accepted)
             if sequence.hit is not None:
                 self.record_lookup(sequence.acceptance, sequence.greedy, sequence.hit)
-        self.observe_host(report.requests, report.host_s, report.drafted)
+        price.observe_host(report.requests, report.host_s, report.drafted)
         if report.caught_up:  # the first round of drafting after a stretch without: the clock's not to judge
             self.clock.counts(None)
         self.clock.committed(report.requests, sum(sequence.accepted + 1 for sequence in report.sequences))
         whole = report.verify_s + report.wait_s + report.draft_s + report.host_s
         # checked against its price; not a round whose drafts first caught up a draft cache:
-        # the model spreads that forward over the rounds it serves (`_catch_up_seconds`),
+        # the model spreads that forward over the rounds it serves (`RoundPrice.catch_up_seconds`),
         # the round pays it whole, and at one stream (a prompt per request, stretches at
         # K = 0) such rounds held every drafting price 1.2-1.7x above what steady rounds take
         if self._modelled is not None and report.drafted and not report.caught_up:
             modelled, undrafted, speculating = self._modelled
-            self.misprediction[speculating].observe(report.requests, whole - undrafted, modelled - undrafted)
+            price.observe_drafted(speculating, report.requests, whole - undrafted, modelled - undrafted)
         elif not report.drafted:  # nothing measured it: what the last drafting rounds showed ages
-            for correction in self.misprediction.values():
-                correction.fade()
+            price.fade_misprediction()
         if self._probe_priced is not None:
             self.observe_probe(whole - self._probe_priced, self._probe_priced)
 
@@ -193,36 +156,6 @@ class LoadPolicy:
         self.probe_cost = added_s if cost is None else PROBE_COST_FADING * cost + (1 - PROBE_COST_FADING) * added_s
         self.probe_spacing = max(PROBE_PERIOD, math.ceil(self.probe_cost / (PROBE_SHARE * max(round_s, 1e-9))))
 
-    def observe_verify(self, tokens: int, seconds: float, alone: bool = False) -> None:
-        """`alone`: the target ran alone (no pre-speculation beside it): its own curve. A
-        trial of the other session moves its curve `TRIAL_FOLLOWING` of the way down, but
-        only as far as any round up: a busy moment only slows a forward, so one trial that
-        measured fast says the session is that fast, while one that measured slow may have
-        been preempted."""
-        curve = self.alone_cost if alone else self.verify_cost
-        faster = curve.known and seconds < curve(tokens)
-        curve.observe(tokens, seconds, following=TRIAL_FOLLOWING if self.sessions.trialling and faster else FOLLOWING)
-
-    def observe_drafting(self, requests: int, steps: int, seconds: float) -> None:
-        if steps:
-            self.draft_cost.observe(requests, seconds / steps)
-
-    def observe_prespeculation(self, rows: int, steps: int, seconds: float) -> None:
-        """`steps` forwards (glue and tree steps) over `rows` branch rows each."""
-        if steps:
-            self.tree_cost.observe(rows, seconds / steps)
-
-    def observe_host(self, requests: int, seconds: float, drafted: bool = False) -> None:
-        """What a round took beyond its forwards and waits; `drafted`: a round in which some
-        request verified drafts."""
-        (self.drafting_host_cost if drafted else self.host_cost).observe(requests, max(seconds, 0.0))
-
-    def _host_seconds(self, requests: int, drafting: bool) -> float:
-        """Until a drafting round was measured, its host work is taken as a plain round's."""
-        if drafting and self.drafting_host_cost.known:
-            return self.drafting_host_cost(requests)
-        return self.host_cost(requests)
-
     def record_round(self, own: Acceptance, greedy: bool, verified: int, accepted: int) -> None:
         for counts in (own, self.shared[greedy]):
             counts.record(verified, accepted)
@@ -236,19 +169,12 @@ class LoadPolicy:
         (at build time), else one measured now the same way (`control.calibration`). The
         decoder calls it before the first requests the policy steers take their KV slots
         (measuring needs one of each engine's)."""
-        if self.verify_cost.shaped and self.draft_cost.shaped:
+        if self.price.calibrated:
             return
         target, draft = self._engines
         stored = target.info.calibration
-        calibration = (stored if stored is not None and stored.measured_here
-                       else measure_calibration(target, draft, alone=self.sessions.enabled))
-        # the curves take the calibration's shape, at the level the rounds before it measured
-        # where they measured one size (`CostCurve.calibrated`)
-        self.verify_cost, self.alone_cost, self.draft_cost, self.tree_cost = (
-            curve.calibrated(points) for curve, points in ((self.verify_cost, calibration.verify),
-                                                           (self.alone_cost, calibration.alone),
-                                                           (self.draft_cost, calibration.draft),
-                                                           (self.tree_cost, calibration.draft)))
+        self.price.calibrate(stored if stored is not None and stored.measured_here
+                             else measure_calibration(target, draft, alone=self.sessions.enabled))
 
     def choose(self, batch) -> list[Plan]:
         """The plan of each `batch` entry (a `decoding.Sequence`: its `k`, `adapts`,
@@ -263,21 +189,21 @@ class LoadPolicy:
         candidates, ks = self._chosen(batch, [self._candidate(sequence) for sequence in batch])
         ks, overruled = self._clocked(candidates, ks)
         if any(ks):  # the choice drafts (a probe's round is priced apart): its price is checked
-            self._modelled = (self._modelled_seconds(candidates, ks), self._modelled_seconds(candidates, [0] * len(ks)),
-                              prespeculates(candidates, ks))
+            self._modelled = (self.price.modelled_seconds(candidates, ks),
+                              self.price.modelled_seconds(candidates, [0] * len(ks)), prespeculates(candidates, ks))
         for greedy in self._since_probe:
             self._since_probe[greedy] += 1
-        branches = self._branch_rows(candidates, ks)
+        branches = self.price.branch_rows(candidates, ks)
         plans = [Plan(k, c.prespeculating, branches if c.steered and c.prespeculating and k else None,
                       undrafted=("clock" if clock else "priced") if c.adapts and c.most and not k else None)
                  for c, k, clock in zip(candidates, ks, overruled)]
         plans = [self._probed(plan, sequence, candidates, ks, index)
                  for index, (plan, sequence) in enumerate(zip(plans, batch))]
         if any(plan.probe for plan in plans):
-            self._probe_priced = self._round_seconds(candidates, ks)
+            self._probe_priced = self.price.seconds(candidates, ks)
         return plans
 
-    def _clocked(self, candidates: list["_Candidate"], ks: list[int]) -> tuple[list[int], list[bool]]:
+    def _clocked(self, candidates: list[Candidate], ks: list[int]) -> tuple[list[int], list[bool]]:
         """The model's choice, unless the clock says drafting at this batch size commits
         fewer tokens per second than drafting nothing, or this round measures drafting
         nothing (`ClockCheck.allows`): then the requests that adapt draft nothing (their
@@ -318,7 +244,7 @@ class LoadPolicy:
         return [Plan(0, sequence.prespeculating, quiet=sequence.plan.quiet + 1,
                      rejected_probes=sequence.plan.rejected_probes, undrafted="held") for sequence in batch]
 
-    def _probed(self, plan: Plan, sequence, candidates: list["_Candidate"], ks: list[int], index: int) -> Plan:
+    def _probed(self, plan: Plan, sequence, candidates: list[Candidate], ks: list[int], index: int) -> Plan:
         """With speculation off (K = 0 chosen for a request that may draft), the plan of a
         probe every `probe_period` rounds: `PROBE_DRAFTS` drafts, not pre-speculated, so
         that the request's acceptance is measured again and speculation comes back once it
@@ -345,7 +271,7 @@ class LoadPolicy:
             return Plan(min(PROBE_DRAFTS, candidate.most), prespeculate=False, probe=True, rejected_probes=rejected)
         return replace(plan, quiet=last.quiet + 1, rejected_probes=rejected)
 
-    def _could_pay(self, candidates: list["_Candidate"], ks: list[int], index: int) -> bool:
+    def _could_pay(self, candidates: list[Candidate], ks: list[int], index: int) -> bool:
         """Whether some K > 0 of request `index`, with a draft as good as its kind's drafts
         measured or the optimistic prior, whichever is better at each depth (`hopeful`),
         with pre-speculation where the request may pre-speculate and without, would beat
@@ -371,7 +297,7 @@ class LoadPolicy:
         save more drafting than it costs in waiting."""
         return [True, False] if any(c.steered and c.prespeculating for c in candidates) else [True]
 
-    def _chosen(self, batch, candidates: list["_Candidate"]) -> tuple[list["_Candidate"], list[int]]:
+    def _chosen(self, batch, candidates: list[Candidate]) -> tuple[list[Candidate], list[int]]:
         """The K of every request and whether pre-speculation runs: chosen afresh when the
         batch changed, after a probe (its outcome may turn speculation back on), after a
         round in which some request's drafts were all rejected (it may turn speculation
@@ -392,7 +318,7 @@ class LoadPolicy:
         self._kept.follow(batch)
         return candidates, ks
 
-    def _nothing_could_pay(self, candidates: list["_Candidate"], ks: list[int]) -> bool:
+    def _nothing_could_pay(self, candidates: list[Candidate], ks: list[int]) -> bool:
         """No request drafts, and none could pay at this load with a draft as good as the
         optimistic prior (`_could_pay`, asked of the first request that may draft: at a
         glance, as the others ask the same of the same costs)."""
@@ -407,14 +333,14 @@ class LoadPolicy:
         ks = self._refined(candidates, self._best_shared_k(candidates))
         return candidates, ks
 
-    def _candidate(self, sequence) -> "_Candidate":
+    def _candidate(self, sequence) -> Candidate:
         shared = self.shared[sequence.greedy]
         shared_rates = shared.rates(sequence.k, self._measured_prior(sequence.k))
         reach = reach_of(sequence.acceptance.rates(sequence.k, shared_rates))
         hopeful = reach_of([max(rate, UNSEEN_ACCEPTANCE) for rate in shared_rates])
         most = most_drafts(sequence)
         hit = sequence.acceptance.hit_rate(shared.hit_rate(self._unseen_hit_rate())) if sequence.prespeculating else 0.0
-        return _Candidate(most, sequence.adapts, sequence.steered, reach, hopeful, hit, sequence.prespeculating,
+        return Candidate(most, sequence.adapts, sequence.steered, reach, hopeful, hit, sequence.prespeculating,
                           sequence.draft_lag, sequence.room)
 
     def _unseen_hit_rate(self) -> float:
@@ -436,70 +362,6 @@ class LoadPolicy:
             return None
         return [measured[min(depth, len(measured) - 1)] for depth in range(depths)]
 
-    def _round_seconds(self, candidates, ks) -> float:
-        """T(K): the model's seconds; for a drafting round, what drafting adds to the round
-        corrected by what it added in such rounds of this many requests, measured against
-        the model (never below the round without drafts: it does all that round does)."""
-        modelled = self._modelled_seconds(candidates, ks)
-        if not any(ks):
-            return modelled
-        undrafted = self._modelled_seconds(candidates, [0] * len(ks))
-        correction = self.misprediction[prespeculates(candidates, ks)](len(candidates))
-        return undrafted + correction * max(modelled - undrafted, 0.0)
-
-    def _modelled_seconds(self, candidates, ks) -> float:
-        """T(K) from the curves. Without pre-speculation nothing of the draft's overlaps
-        the verification, so the target verifies alone, on both cores (`alone_cost`)."""
-        drafting = [(c, k) for c, k in zip(candidates, ks) if k]
-        speculating = [k for c, k in drafting if c.prespeculating]
-        verify = self._verify_seconds(sum(k + 1 for k in ks), alone=not speculating)
-        host = self._host_seconds(len(candidates), drafting=bool(drafting))
-        if not drafting:
-            return verify + host
-        hits = [c.hit if c.prespeculating else 0.0 for c, _ in drafting]
-        critical = max(k for _, k in drafting) * self._missed_drafting_seconds(hits)
-        critical += self._catch_up_seconds(drafting)
-        overrun = 0.0
-        if speculating:
-            rows = len(speculating) * (max(speculating) + 1)  # at least one branch per depth and request
-            overrun = max(0.0, (max(speculating) + 1) * self.tree_cost(rows) - verify)
-        return verify + host + critical + overrun
-
-    def _missed_drafting_seconds(self, hits: list[float]) -> float:
-        """The expected seconds of one step of ordinary drafting in a round whose requests
-        find their drafts pre-speculated with probabilities `hits`: a step runs only when
-        some request misses (probability 1 - prod hits), for the requests that missed.
-        Priced as a step for the expected misses whatever the round's luck, a request at
-        one stream with a hit rate of 0.92 paid a whole step per draft in every round, and
-        its pre-speculation lost to drafting after the verification on price alone."""
-        some_miss = 1.0 - math.prod(hits)
-        if some_miss <= 1e-9:
-            return 0.0
-        misses = sum(1.0 - hit for hit in hits)
-        return some_miss * self.draft_cost(misses / some_miss)
-
-    def _catch_up_seconds(self, drafting: list[tuple["_Candidate", int]]) -> float:
-        """The tokens drafting requests' caches lack beyond a steady round's K + 1 (a prompt
-        the draft has not fed, the tokens of a stretch at K = 0), fed in one forward before
-        the first draft step, on the round's critical path. Paid once, while the drafts pay
-        every round after, so each request's share is spread over the rounds it has left
-        at that K. Uncosted, 16 new requests at once each fed a 43-token prompt to the draft
-        (1.6 s the first time, 0.2 s after) before rounds of 50 ms, and the policy, which
-        then turned speculation off, ran at 0.86x autoregressive."""
-        behind = [(c, k, c.lag - (k + 1)) for c, k in drafting if c.lag > k + 1]
-        rows = sum(extra for _, _, extra in behind)
-        if not rows:
-            return 0.0
-        per_row = self.tree_cost(rows) / rows
-        return per_row * sum(extra / c.rounds_left(k) for c, k, extra in behind)
-
-    def _verify_seconds(self, tokens: int, alone: bool) -> float:
-        """A verification of `tokens`; `alone`: with nothing of the draft's beside it, on
-        the session such rounds use (`SessionChoice.wide`)."""
-        if alone and self.sessions.wide(tokens) and self.alone_cost.known:
-            return self.alone_cost(tokens)
-        return self.verify_cost(tokens)
-
     def catch_up_share(self, tokens: int, requests: int) -> int:
         """Tokens each of `requests` lagging draft caches may catch up on while a
         verification of `tokens` runs beside it: what one draft forward takes in that time
@@ -511,13 +373,11 @@ class LoadPolicy:
         Runtime had not run yet costs several times a steady one) were 5-8% of a run."""
         if self._hopeless:
             return 0
-        if not (self.verify_cost.known and self.tree_cost.known):
-            return MOST_BRANCHES
-        return max(1, hidden_branches(self.verify_cost(tokens), self.tree_cost, 1, requests))
+        return self.price.hidden_catch_up(tokens, requests)
 
     def _rate(self, candidates, ks) -> float:
         tokens = sum(c.expected_tokens(k) for c, k in zip(candidates, ks))
-        return tokens / max(self._round_seconds(candidates, ks), 1e-9)
+        return tokens / max(self.price.seconds(candidates, ks), 1e-9)
 
     def _best_shared_k(self, candidates) -> list[int]:
         deepest = max((c.most for c in candidates), default=0)
@@ -539,15 +399,6 @@ class LoadPolicy:
                         ks, best = trial, rate
         return ks
 
-    def _branch_rows(self, candidates, ks) -> int:
-        """Branches per speculating request that keep pre-speculation (the glue step and
-        max K tree steps over requests x branches rows, as the tree curve measures a step)
-        under this round's verification (`costs.hidden_branches`); at least one."""
-        speculating = [k for c, k in zip(candidates, ks) if c.prespeculating and k]
-        if not speculating:
-            return 0
-        verify = self.verify_cost(sum(k + 1 for k in ks))
-        return max(1, hidden_branches(verify, self.tree_cost, steps=max(speculating) + 1, requests=len(speculating)))
 
 
 def rejected_probes(last: Plan, verified: int, accepted: int) -> int:
@@ -571,12 +422,7 @@ def quiet_rounds(hopeless_choices: int) -> int:
     return QUIET_ROUNDS << min(hopeless_choices - 1, QUIET_BACKOFF)
 
 
-def prespeculates(candidates: list["_Candidate"], ks: list[int]) -> bool:
-    """Some request drafts and pre-speculates its outcomes this round."""
-    return any(c.prespeculating and k for c, k in zip(candidates, ks))
-
-
-def without_prespeculation(candidates: list["_Candidate"]) -> list["_Candidate"]:
+def without_prespeculation(candidates: list[Candidate]) -> list[Candidate]:
     """The candidates with the pre-speculation the policy steers turned off."""
     return [replace(c, prespeculating=False) if c.steered else c for c in candidates]
 
@@ -592,45 +438,6 @@ def reach_of(rates: list[float]) -> list[float]:
 def most_drafts(sequence) -> int:
     """The most drafts a sequence may verify this round: its K, less near the end of its output."""
     return max(min(sequence.k, sequence.room - 1), 0)
-
-
-@dataclass
-class _Candidate:
-    most: int            # the most drafts it may verify this round
-    adapts: bool         # False: K is pinned (to `most`)
-    steered: bool        # its pre-speculation (on or off, branches) follows the policy
-    reach: list[float]   # reach[i]: P(first i drafts accepted)
-    hopeful: list[float]  # what a probe could show at best: `reach` for a draft as good as its
-                          # kind's drafts or the optimistic prior, whichever is better
-    hit: float           # P(its next draft comes from the speculation cache), pre-speculating
-                         # (0: it may not); read only while `prespeculating`
-    prespeculating: bool
-    lag: int = 0         # committed tokens its draft cache lacks (`Sequence.draft_lag`)
-    room: int = 1 << 30  # output tokens it may still make
-
-    def expected_tokens(self, k: int) -> float:
-        return sum(self.reach[:k + 1])
-
-    def rounds_left(self, k: int) -> float:
-        """Rounds until its output is full, drafting `k` tokens a round."""
-        return max(1.0, self.room / self.expected_tokens(k))
-
-    def hopeful_variants(self) -> list["_Candidate"]:
-        """This request with the `hopeful` draft: without pre-speculation, and with it where
-        it may pre-speculate, finding its drafts pre-speculated as often as the prior
-        accepts a draft (`UNSEEN_ACCEPTANCE`) or its kind measured, whichever is more. A
-        probe drafts without pre-speculation and measures no hit rate: asked at a flat
-        0.5, the bench pair at one stream (hits 0.83-0.92 once measured) was held
-        hopeless after an autoregressive stretch, with no probe, at AR's speed where
-        K = 3 ran 1.2x faster."""
-        plain = replace(self, reach=self.hopeful, prespeculating=False)
-        if not self.hit:  # it may not pre-speculate
-            return [plain]
-        return [plain, replace(plain, prespeculating=True, hit=max(self.hit, UNSEEN_ACCEPTANCE))]
-
-    def fitted(self, k: int) -> int:
-        """`k` within what it may draft this round; a pinned K stays its own."""
-        return min(k, self.most) if self.adapts else self.most
 
 
 @dataclass
