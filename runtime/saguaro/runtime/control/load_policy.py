@@ -126,7 +126,7 @@ class LoadPolicy:
             self.record_round(sequence.acceptance, sequence.greedy, sequence.verified, sequence.accepted)
             if sequence.hit is not None:
                 self.record_lookup(sequence.acceptance, sequence.greedy, sequence.hit)
-        price.observe_host(report.requests, report.host_s, report.drafted)
+        price.observe_host(report.requests, report.host_s, report.drafted, report.prespeculation is not None)
         if report.caught_up:  # the first round of drafting after a stretch without: the clock's not to judge
             self.clock.counts(None)
         self.clock.committed(report.requests, sum(sequence.accepted + 1 for sequence in report.sequences))

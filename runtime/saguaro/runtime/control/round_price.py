@@ -53,10 +53,12 @@ class RoundPrice:
         self.sessions = sessions
         self.verify_cost, self.draft_cost, self.tree_cost = CostCurve(), CostCurve(), CostCurve()
         self.alone_cost = CostCurve()  # verify(N) with nothing of the draft's beside it (`run_alone`)
-        # host work per round, apart for rounds that draft (proposals, features, commits) and
-        # rounds that do not: on a small target it is a large share of a round, and K > 0
-        # must pay for its own
-        self.host_cost, self.drafting_host_cost = LinearCost(), LinearCost()
+        # host work per round, apart for rounds that draft (proposals, features, commits),
+        # rounds that also pre-speculate (the worker's Python beside the round's, for the
+        # GIL) and rounds that do neither: on a small target it is a large share of a round,
+        # and each kind must pay for its own (bench pair, one stream: 0.2 ms a drafting
+        # round, 0.4-0.6 a pre-speculating one)
+        self.host_cost, self.drafting_host_cost, self.speculating_host_cost = LinearCost(), LinearCost(), LinearCost()
         # by whether the round pre-speculates: its overrun and hits are errors of their own
         self.misprediction = {speculating: Misprediction() for speculating in (True, False)}
 
@@ -92,10 +94,11 @@ class RoundPrice:
         if steps:
             self.tree_cost.observe(rows, seconds / steps)
 
-    def observe_host(self, requests: int, seconds: float, drafted: bool = False) -> None:
+    def observe_host(self, requests: int, seconds: float, drafted: bool = False, speculated: bool = False) -> None:
         """What a round took beyond its forwards and waits; `drafted`: a round in which some
-        request verified drafts."""
-        (self.drafting_host_cost if drafted else self.host_cost).observe(requests, max(seconds, 0.0))
+        request verified drafts; `speculated`: one that pre-speculated too."""
+        curve = self.speculating_host_cost if speculated else self.drafting_host_cost if drafted else self.host_cost
+        curve.observe(requests, max(seconds, 0.0))
 
     def observe_drafted(self, speculating: bool, requests: int, added_s: float, modelled_added_s: float) -> None:
         """A drafting round of `requests` added `added_s` to the round without its drafts
@@ -107,8 +110,10 @@ class RoundPrice:
         for correction in self.misprediction.values():
             correction.fade()
 
-    def host_seconds(self, requests: int, drafting: bool) -> float:
-        """Until a drafting round was measured, its host work is taken as a plain round's."""
+    def host_seconds(self, requests: int, drafting: bool, speculating: bool = False) -> float:
+        """Until a kind of round was measured, its host work is taken as the plainer kind's."""
+        if speculating and self.speculating_host_cost.known:
+            return self.speculating_host_cost(requests)
         if drafting and self.drafting_host_cost.known:
             return self.drafting_host_cost(requests)
         return self.host_cost(requests)
@@ -130,7 +135,7 @@ class RoundPrice:
         drafting = [(c, k) for c, k in zip(candidates, ks) if k]
         speculating = [k for c, k in drafting if c.prespeculating]
         verify = self.verify_seconds(sum(k + 1 for k in ks), alone=not speculating)
-        host = self.host_seconds(len(candidates), drafting=bool(drafting))
+        host = self.host_seconds(len(candidates), drafting=bool(drafting), speculating=bool(speculating))
         if not drafting:
             return verify + host
         hits = [c.hit if c.prespeculating else 0.0 for c, _ in drafting]
