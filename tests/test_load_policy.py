@@ -28,9 +28,9 @@ from saguaro.runtime.control.load_policy import (
     LoadPolicy,
     probe_period,
 )
-from saguaro.runtime.control.round_price import TRIAL_FOLLOWING
+from saguaro.runtime.control.round_price import TRIAL_FOLLOWING, RoundPrice
 from saguaro.runtime.control.round_report import Plan, RoundReport, undrafted_reason
-from saguaro.runtime.control.sessions import TRIAL_PERIOD
+from saguaro.runtime.control.sessions import TRIAL_PERIOD, SessionChoice
 from saguaro.runtime.core.contracts import Rows, Step
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
@@ -323,11 +323,26 @@ def test_drafting_before_the_round_is_priced_by_the_chance_that_some_request_mis
     misses, for the requests that missed."""
     policy = policy_with(measured(0.004, 0.0004), measured(0.002, 0.0005), acceptance=0.8)
     step = policy.price.draft_cost
-    assert policy.price.missed_drafting_seconds([0.9]) == pytest.approx(0.1 * step(1))
-    assert policy.price.missed_drafting_seconds([0.0]) == pytest.approx(step(1))  # no pre-speculation
-    assert policy.price.missed_drafting_seconds([1.0, 1.0]) == 0.0
+    assert policy.price.missed_drafting_seconds([0.9], 1) == pytest.approx(0.1 * step(1))
+    assert policy.price.missed_drafting_seconds([0.0], 1) == pytest.approx(step(1))  # no pre-speculation
+    assert policy.price.missed_drafting_seconds([1.0, 1.0], 1) == 0.0
     some_miss = 1 - 0.9 ** 16
-    assert policy.price.missed_drafting_seconds([0.9] * 16) == pytest.approx(some_miss * step(1.6 / some_miss))
+    assert policy.price.missed_drafting_seconds([0.9] * 16, 1) == pytest.approx(some_miss * step(1.6 / some_miss))
+
+
+def test_a_drafting_rounds_start_is_priced_once_not_with_every_step():
+    """A round's first draft forward follows the verification (the draft's weights out of
+    the caches) and the drafts' setup: on the bench pair at one stream about 1 ms a round
+    beyond 0.6 ms a later step. Priced per step, rounds at K = 1 (1.6 ms a step) priced K =
+    4 at four times that where it takes 3.4 ms, and the policy drafted too little."""
+    price = RoundPrice(SessionChoice())
+    price.draft_cost = measured(0.0006, 0.0)
+    for _ in range(50):
+        price.observe_drafting(1, 1, 0.0016, 0.0)      # K = 1: the start and one step
+        price.observe_drafting(1, 4, 0.0034, 0.0018)   # K = 4: three later steps of 0.6 ms
+    assert price.draft_cost(1) == pytest.approx(0.0006, rel=0.05)
+    assert price.missed_drafting_seconds([0.0], 1) == pytest.approx(0.0016, rel=0.05)
+    assert price.missed_drafting_seconds([0.0], 4) == pytest.approx(0.0034, rel=0.05)
 
 
 def rounds_of(policy: LoadPolicy, sequence: FakeSequence, rounds: int, accepts, hits: bool | None = None) -> list[Plan]:

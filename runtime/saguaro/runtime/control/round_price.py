@@ -3,6 +3,8 @@ decoder measures as it runs:
 
     verify(N)   one target verification over N tokens (N = sum of K_r + 1)
     draft(R)    one step of ordinary drafting for R requests
+    start(R)    what a round's ordinary drafting takes beyond its steps (its first, cold
+                forward; setting the drafts up): a + b R
     tree(R)     one step of pre-speculation over R branch rows
                 (each a `CostCurve`: calibrated at a ladder of sizes, then following the rounds)
     host(n)     the rest of a round of n requests (host work): a + b n
@@ -10,7 +12,7 @@ decoder measures as it runs:
     alone(N)    verify(N) with nothing of the draft's beside it, on both cores (`run_alone`)
 
     E_r(K)    = 1 + sum_{i=1..K} alpha_1 ... alpha_i      (alpha_j: P(accept depth j | j-1 accepted))
-    T(K)      = verify(sum K_r + 1) + host(n) + max K_r * P(miss) * draft(misses | miss)
+    T(K)      = verify(sum K_r + 1) + host(n) + P(miss) * (start + max K_r * draft)(misses | miss)
                 + max(0, (max K_r + 1) * tree(branch rows) - verify)
                 + tree(L) / L * sum_r L_r / R_r(K_r)
                 (P(miss) = 1 - prod_r h_r: some request drafts before the round, finding no
@@ -53,6 +55,12 @@ class RoundPrice:
         self.sessions = sessions
         self.verify_cost, self.draft_cost, self.tree_cost = CostCurve(), CostCurve(), CostCurve()
         self.alone_cost = CostCurve()  # verify(N) with nothing of the draft's beside it (`run_alone`)
+        # what a round's ordinary drafting takes beyond its steps at `draft_cost`: its first
+        # forward after the verification (the draft's weights no longer in the caches) and
+        # the Python that sets its drafts up (bench pair, one stream: about 1 ms a round,
+        # against 0.6 a later step). Priced per step, rounds at K = 1 measured 1.6-2.0 ms a
+        # step, and K = 4, which takes 3.4 ms, was priced at 6-8.
+        self.draft_start_cost = LinearCost()
         # host work per round, apart for rounds that draft (proposals, features, commits),
         # rounds that also pre-speculate (the worker's Python beside the round's, for the
         # GIL) and rounds that do neither: on a small target it is a large share of a round,
@@ -85,9 +93,16 @@ class RoundPrice:
         faster = curve.known and seconds < curve(tokens)
         curve.observe(tokens, seconds, following=TRIAL_FOLLOWING if self.sessions.trialling and faster else FOLLOWING)
 
-    def observe_drafting(self, requests: int, steps: int, seconds: float) -> None:
-        if steps:
-            self.draft_cost.observe(requests, seconds / steps)
+    def observe_drafting(self, requests: int, steps: int, seconds: float, later_s: float) -> None:
+        """A round's ordinary drafting: `steps` forwards for `requests` in `seconds`, of which
+        the forwards after the first took `later_s`. Those measure a step; what the round
+        took beyond `steps` such steps is its start (`draft_start_cost`)."""
+        if steps > 1:
+            self.draft_cost.observe(requests, later_s / (steps - 1))
+        elif steps and not self.draft_cost.known:  # nothing else to go by
+            self.draft_cost.observe(requests, seconds)
+        if steps and self.draft_cost.known:
+            self.draft_start_cost.observe(requests, max(seconds - steps * self.draft_cost(requests), 0.0))
 
     def observe_prespeculation(self, rows: int, steps: int, seconds: float) -> None:
         """`steps` forwards (glue and tree steps) over `rows` branch rows each."""
@@ -139,7 +154,7 @@ class RoundPrice:
         if not drafting:
             return verify + host
         hits = [c.hit if c.prespeculating else 0.0 for c, _ in drafting]
-        critical = max(k for _, k in drafting) * self.missed_drafting_seconds(hits)
+        critical = self.missed_drafting_seconds(hits, max(k for _, k in drafting))
         critical += self.catch_up_seconds(drafting)
         overrun = 0.0
         if speculating:
@@ -147,18 +162,19 @@ class RoundPrice:
             overrun = max(0.0, (max(speculating) + 1) * self.tree_cost(rows) - verify)
         return verify + host + critical + overrun
 
-    def missed_drafting_seconds(self, hits: list[float]) -> float:
-        """The expected seconds of one step of ordinary drafting in a round whose requests
-        find their drafts pre-speculated with probabilities `hits`: a step runs only when
-        some request misses (probability 1 - prod hits), for the requests that missed.
-        Priced as a step for the expected misses whatever the round's luck, a request at
-        one stream with a hit rate of 0.92 paid a whole step per draft in every round, and
-        its pre-speculation lost to drafting after the verification on price alone."""
+    def missed_drafting_seconds(self, hits: list[float], steps: int) -> float:
+        """The expected seconds of `steps` steps of ordinary drafting, with their start, in a
+        round whose requests find their drafts pre-speculated with probabilities `hits`: the
+        drafting runs only when some request misses (probability 1 - prod hits), for the
+        requests that missed. Priced as drafting for the expected misses whatever the round's
+        luck, a request at one stream with a hit rate of 0.92 paid a whole step per draft in
+        every round, and its pre-speculation lost to drafting after the verification on
+        price alone."""
         some_miss = 1.0 - math.prod(hits)
-        if some_miss <= 1e-9:
+        if some_miss <= 1e-9 or not steps:
             return 0.0
-        misses = sum(1.0 - hit for hit in hits)
-        return some_miss * self.draft_cost(misses / some_miss)
+        missing = sum(1.0 - hit for hit in hits) / some_miss
+        return some_miss * (self.draft_start_cost(missing) + steps * self.draft_cost(missing))
 
     def catch_up_seconds(self, drafting: list[tuple[Candidate, int]]) -> float:
         """The tokens drafting requests' caches lack beyond a steady round's K + 1 (a prompt

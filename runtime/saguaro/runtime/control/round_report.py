@@ -59,7 +59,8 @@ class RoundReport:
     alone: bool                           # verified on the wide session, nothing beside it
     wait_s: float = 0.0                   # for the draft worker after the verification
     draft_s: float = 0.0                  # ordinary drafting on the critical path
-    drafting: tuple[int, int, float] | None = None  # (requests, steps, seconds) of ordinary drafting's steps
+    # ordinary drafting's steps: (requests, steps, seconds, seconds of the forwards after the first)
+    drafting: tuple[int, int, float, float] | None = None
     prespeculation: tuple[int, int, float] | None = None  # (branch rows, steps, seconds)
     sequences: list[SequenceRound] = field(default_factory=list)
     undrafted: str | None = "asked"       # why no request drafted (`undrafted_reason`); None: some did

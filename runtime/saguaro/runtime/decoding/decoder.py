@@ -338,11 +338,11 @@ class Decoder:
             sequence.stats.prespeculate_s += elapsed.seconds
         return speculations
 
-    def draft_misses(self, batch: list[Sequence]) -> tuple[float, tuple[int, int, float] | None, bool]:
+    def draft_misses(self, batch: list[Sequence]) -> tuple[float, tuple[int, int, float, float] | None, bool]:
         """Ordinary drafts, in the worker, before the round's verification, for the
         sequences that draft this round and have no draft. Returns the time it took, for
-        the load policy `(requests, steps, seconds)` of the draft steps, and whether some
-        draft cache was first caught up. A draft cache
+        the load policy `(requests, steps, seconds, seconds of the steps after the first)`
+        of the draft steps, and whether some draft cache was first caught up. A draft cache
         that lacks more than the round's own tokens (a prompt, or the tokens of a stretch
         at K = 0) is first caught up in a forward of its own, so that the steps after it
         measure a step: fed in the first step, no probe measured one while speculation was
@@ -352,14 +352,16 @@ class Decoder:
         if not needing:
             return 0.0, None, False
         behind = [s for s in needing if s.drafter.lag(s.out.ids) > s.plan.draft_tokens + 1]
+        forwards: list[float] = []
         with stopwatch() as drafting:
             if behind:
                 self.worker.submit(lockstep, self.draft, [s.drafter.catch_up(s.out.ids[:-1])  # all but the newest
                                                           for s in behind]).result()
             with stopwatch() as stepping:
                 drafts = self.worker.submit(lockstep, self.draft, [s.drafter.draft(s.out.ids, s.plan.draft_tokens)
-                                                                for s in needing]).result()
+                                                                for s in needing], forwards).result()
         for sequence, draft in zip(needing, drafts):
             sequence.proposal = draft
             sequence.stats.draft_s += drafting.seconds
-        return drafting.seconds, (len(needing), max(len(draft) for draft in drafts), stepping.seconds), bool(behind)
+        measured = (len(needing), len(forwards), stepping.seconds, sum(forwards[1:]))
+        return drafting.seconds, measured, bool(behind)

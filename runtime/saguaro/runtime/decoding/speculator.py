@@ -23,6 +23,7 @@ only, never the output.
 """
 from __future__ import annotations
 
+import time
 from typing import Generator, Sequence, TypeVar, cast
 
 import numpy as np
@@ -36,9 +37,10 @@ _R = TypeVar("_R")
 Forwards = Generator[Step, Rows, _R]  # yields steps, receives their rows, returns an _R
 
 
-def lockstep(engine, coroutines: Sequence[Forwards]) -> list:
+def lockstep(engine, coroutines: Sequence[Forwards], forward_seconds: list[float] | None = None) -> list:
     """Run several sequences' coroutines together: every round of their pending steps is
-    one batched forward. Returns each coroutine's result, in order."""
+    one batched forward. Returns each coroutine's result, in order; appends each forward's
+    seconds to `forward_seconds` when given."""
     results, pending = [None] * len(coroutines), {}
 
     def advance(index: int, rows=None) -> None:
@@ -52,7 +54,11 @@ def lockstep(engine, coroutines: Sequence[Forwards]) -> list:
         advance(index)
     while pending:
         order = list(pending)
-        for index, rows in zip(order, engine.forward_rows([pending[i] for i in order])):
+        started = time.perf_counter()
+        batch_rows = engine.forward_rows([pending[i] for i in order])
+        if forward_seconds is not None:
+            forward_seconds.append(time.perf_counter() - started)
+        for index, rows in zip(order, batch_rows):
             advance(index, rows)
     return results
 
