@@ -64,8 +64,8 @@ class RoundPrice:
         # host work per round, apart for rounds that draft (proposals, features, commits),
         # rounds that also pre-speculate (the worker's Python beside the round's, for the
         # GIL) and rounds that do neither: on a small target it is a large share of a round,
-        # and each kind must pay for its own (bench pair, one stream: 0.2 ms a drafting
-        # round, 0.4-0.6 a pre-speculating one)
+        # and each kind must pay for its own (bench pair, one stream: 0.3-0.5 ms a drafting
+        # round, 0.65-0.9 a pre-speculating one)
         self.host_cost, self.drafting_host_cost, self.speculating_host_cost = LinearCost(), LinearCost(), LinearCost()
         # by whether the round pre-speculates: its overrun and hits are errors of their own
         self.misprediction = {speculating: Misprediction() for speculating in (True, False)}
