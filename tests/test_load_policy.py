@@ -211,6 +211,27 @@ def test_each_kind_of_round_pays_its_own_host_work():
     assert dearer.draft_tokens and not dearer.prespeculate  # 2.8 ms more host work than it saves
 
 
+def test_a_drafting_round_is_never_priced_below_a_plain_round_in_host_work():
+    """Each kind's host line is measured where it ran: drafting at one and two streams,
+    plain rounds at eight too, slowed there by a server's other threads. Extrapolated, the
+    drafting line would price a drafting round of 8 below a plain one, as if drafting
+    saved host work."""
+    price = RoundPrice(SessionChoice())
+    for _ in range(50):
+        for requests in (1, 2):
+            price.observe_host(requests, 0.0001 * requests)
+            price.observe_host(requests, 0.0005 + 0.0001 * requests, drafted=True)
+            price.observe_host(requests, 0.0008 + 0.0001 * requests, drafted=True, speculated=True)
+        price.observe_host(8, 0.003)
+    assert price.drafting_host_cost(8) < price.host_cost(8)  # the lines as measured
+    assert price.host_seconds(8, drafting=True) == price.host_seconds(8, drafting=True, speculating=True) \
+        == pytest.approx(price.host_cost(8))
+    # where drafting rounds were measured, they are priced as measured
+    assert price.host_cost(1) < price.drafting_host_cost(1) < price.speculating_host_cost(1)
+    assert price.host_seconds(1, drafting=True) == pytest.approx(price.drafting_host_cost(1))
+    assert price.host_seconds(1, drafting=True, speculating=True) == pytest.approx(price.speculating_host_cost(1))
+
+
 def test_k_follows_load():
     """Verification that grows with the tokens in the batch: one request drafts, sixteen
     do not; when the batch empties again K comes back."""

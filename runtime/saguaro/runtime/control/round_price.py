@@ -126,12 +126,18 @@ class RoundPrice:
             correction.fade()
 
     def host_seconds(self, requests: int, drafting: bool, speculating: bool = False) -> float:
-        """Until a kind of round was measured, its host work is taken as the plainer kind's."""
-        if speculating and self.speculating_host_cost.known:
-            return self.speculating_host_cost(requests)
+        """A round's host work, never below a plainer kind's at the same size: a drafting
+        round does all a round without drafts does, while each kind's line is measured at
+        the sizes it ran at (through the server, drafting rounds mostly at one and two
+        streams, rounds without drafts at eight and sixteen too, where the server's other
+        threads slow them), and a line read beyond its sizes could price drafting's host
+        work below the plain round's, as if drafting saved some."""
+        seconds = self.host_cost(requests)
         if drafting and self.drafting_host_cost.known:
-            return self.drafting_host_cost(requests)
-        return self.host_cost(requests)
+            seconds = max(seconds, self.drafting_host_cost(requests))
+        if speculating and self.speculating_host_cost.known:
+            seconds = max(seconds, self.speculating_host_cost(requests))
+        return seconds
 
     def seconds(self, candidates, ks) -> float:
         """T(K): the model's seconds; for a drafting round, what drafting adds to the round
