@@ -58,7 +58,7 @@ from dataclasses import dataclass, field, replace
 from saguaro.runtime.control.acceptance import UNSEEN_ACCEPTANCE, Acceptance
 from saguaro.runtime.control.calibration import measure_calibration
 from saguaro.runtime.control.clock import ClockCheck
-from saguaro.runtime.control.round_price import RoundPrice, prespeculates
+from saguaro.runtime.control.round_price import Candidate, RoundPrice, prespeculates
 from saguaro.runtime.control.round_report import Plan, RoundReport
 from saguaro.runtime.control.sessions import SessionChoice
 
@@ -285,7 +285,7 @@ class LoadPolicy:
         K = 3 ran 1.15x faster."""
         candidate = candidates[index]
         chosen = self._rate(candidates, ks)
-        for hopeful in candidate.hopeful_variants():
+        for hopeful in hopeful_variants(candidate):
             trial = candidates[:index] + [hopeful] + candidates[index + 1:]
             if any(self._rate(trial, ks[:index] + [k] + ks[index + 1:]) > chosen for k in range(1, candidate.most + 1)):
                 return True
@@ -427,6 +427,20 @@ def without_prespeculation(candidates: list[Candidate]) -> list[Candidate]:
     return [replace(c, prespeculating=False) if c.steered else c for c in candidates]
 
 
+def hopeful_variants(candidate: Candidate) -> list[Candidate]:
+    """The request with the `hopeful` draft: without pre-speculation, and with it where
+    it may pre-speculate, finding its drafts pre-speculated as often as the prior
+    accepts a draft (`UNSEEN_ACCEPTANCE`) or its kind measured, whichever is more. A
+    probe drafts without pre-speculation and measures no hit rate: asked at a flat
+    0.5, the bench pair at one stream (hits 0.83-0.92 once measured) was held
+    hopeless after an autoregressive stretch, with no probe, at AR's speed where
+    K = 3 ran 1.2x faster."""
+    plain = replace(candidate, reach=candidate.hopeful, prespeculating=False)
+    if not candidate.hit:  # it may not pre-speculate
+        return [plain]
+    return [plain, replace(plain, prespeculating=True, hit=max(candidate.hit, UNSEEN_ACCEPTANCE))]
+
+
 def reach_of(rates: list[float]) -> list[float]:
     """reach[i]: P(the first i drafts all accepted), from the acceptance at each depth."""
     reach = [1.0]
@@ -438,45 +452,6 @@ def reach_of(rates: list[float]) -> list[float]:
 def most_drafts(sequence) -> int:
     """The most drafts a sequence may verify this round: its K, less near the end of its output."""
     return max(min(sequence.k, sequence.room - 1), 0)
-
-
-@dataclass
-class Candidate:
-    most: int            # the most drafts it may verify this round
-    adapts: bool         # False: K is pinned (to `most`)
-    steered: bool        # its pre-speculation (on or off, branches) follows the policy
-    reach: list[float]   # reach[i]: P(first i drafts accepted)
-    hopeful: list[float]  # what a probe could show at best: `reach` for a draft as good as its
-                          # kind's drafts or the optimistic prior, whichever is better
-    hit: float           # P(its next draft comes from the speculation cache), pre-speculating
-                         # (0: it may not); read only while `prespeculating`
-    prespeculating: bool
-    lag: int = 0         # committed tokens its draft cache lacks (`Sequence.draft_lag`)
-    room: int = 1 << 30  # output tokens it may still make
-
-    def expected_tokens(self, k: int) -> float:
-        return sum(self.reach[:k + 1])
-
-    def rounds_left(self, k: int) -> float:
-        """Rounds until its output is full, drafting `k` tokens a round."""
-        return max(1.0, self.room / self.expected_tokens(k))
-
-    def hopeful_variants(self) -> list["Candidate"]:
-        """This request with the `hopeful` draft: without pre-speculation, and with it where
-        it may pre-speculate, finding its drafts pre-speculated as often as the prior
-        accepts a draft (`UNSEEN_ACCEPTANCE`) or its kind measured, whichever is more. A
-        probe drafts without pre-speculation and measures no hit rate: asked at a flat
-        0.5, the bench pair at one stream (hits 0.83-0.92 once measured) was held
-        hopeless after an autoregressive stretch, with no probe, at AR's speed where
-        K = 3 ran 1.2x faster."""
-        plain = replace(self, reach=self.hopeful, prespeculating=False)
-        if not self.hit:  # it may not pre-speculate
-            return [plain]
-        return [plain, replace(plain, prespeculating=True, hit=max(self.hit, UNSEEN_ACCEPTANCE))]
-
-    def fitted(self, k: int) -> int:
-        """`k` within what it may draft this round; a pinned K stays its own."""
-        return min(k, self.most) if self.adapts else self.most
 
 
 @dataclass

@@ -33,13 +33,10 @@ measured rounds after that, old measurements fading.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from saguaro.runtime.control.costs import FOLLOWING, MOST_BRANCHES, CostCurve, LinearCost, Misprediction, hidden_branches
 from saguaro.runtime.control.sessions import SessionChoice
-
-if TYPE_CHECKING:  # what the load policy weighs of each request; the price reads it
-    from saguaro.runtime.control.load_policy import Candidate
 
 # How far a verification on the session tried once a period (`SessionChoice`) moves its
 # curve down (up, only as far as any round: `observe_verify`). The curves price the rounds
@@ -227,3 +224,31 @@ class RoundPrice:
 def prespeculates(candidates: list[Candidate], ks: list[int]) -> bool:
     """Some request drafts and pre-speculates its outcomes this round."""
     return any(c.prespeculating and k for c, k in zip(candidates, ks))
+
+
+@dataclass
+class Candidate:
+    """A request as the load policy weighs it this round: what the round's price reads of it."""
+
+    most: int            # the most drafts it may verify this round
+    adapts: bool         # False: K is pinned (to `most`)
+    steered: bool        # its pre-speculation (on or off, branches) follows the policy
+    reach: list[float]   # reach[i]: P(first i drafts accepted)
+    hopeful: list[float]  # what a probe could show at best: `reach` for a draft as good as its
+                          # kind's drafts or the optimistic prior, whichever is better
+    hit: float           # P(its next draft comes from the speculation cache), pre-speculating
+                         # (0: it may not); read only while `prespeculating`
+    prespeculating: bool
+    lag: int = 0         # committed tokens its draft cache lacks (`Sequence.draft_lag`)
+    room: int = 1 << 30  # output tokens it may still make
+
+    def expected_tokens(self, k: int) -> float:
+        return sum(self.reach[:k + 1])
+
+    def rounds_left(self, k: int) -> float:
+        """Rounds until its output is full, drafting `k` tokens a round."""
+        return max(1.0, self.room / self.expected_tokens(k))
+
+    def fitted(self, k: int) -> int:
+        """`k` within what it may draft this round; a pinned K stays its own."""
+        return min(k, self.most) if self.adapts else self.most
