@@ -7,8 +7,10 @@ the metrics lock, and shutdown.
 """
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from types import SimpleNamespace
 
 import fake_triton
@@ -48,6 +50,32 @@ def ssd(ssd_module, long_pair, monkeypatch):
         "default_budget": "", "max_concurrency": "4"}))
     yield model
     model.finalize()
+    gc.unfreeze()  # the model froze the heap as a server's process does; this one goes on testing
+
+
+def test_the_model_freezes_what_it_loaded_after_collecting_the_loadings_garbage(ssd_module, long_pair):
+    class Node:
+        pass
+
+    gc.unfreeze()
+    loaded, garbage = Node(), Node()
+    garbage.cycle = garbage  # freed only by the collector
+    garbage_left = weakref.ref(garbage)
+    del garbage
+    model = ssd_module.TritonPythonModel()
+    try:
+        model.initialize(fake_triton.model_args("ssd", {
+            "engines_dir": "", "target_dir": str(long_pair / "target"), "draft_dir": str(long_pair / "draft"),
+            "default_decoding_mode": "ssd", "default_num_draft_tokens": "4", "default_fanout": "3",
+            "default_budget": "", "max_concurrency": "1"}))
+        assert garbage_left() is None, "garbage of the loading was frozen, never to be collected"
+        assert gc.get_freeze_count() > 0
+        assert not any(tracked is loaded for tracked in gc.get_objects()), "the loaded heap is still walked"
+        made_after = Node()
+        assert any(tracked is made_after for tracked in gc.get_objects())
+    finally:
+        model.finalize()
+        gc.unfreeze()
 
 
 def generation_request(prompt_ids, max_tokens, stream=False, **extra) -> fake_triton.Request:

@@ -33,7 +33,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from saguaro.runtime.control.round_report import UNDRAFTED_REASONS
-from saguaro.runtime.pipeline import Pipeline
+from saguaro.runtime.pipeline import Pipeline, freeze_loaded_heap
 from saguaro.serving import lifecycle
 from saguaro.serving import metric_families
 from saguaro.serving import requests as serving
@@ -274,6 +274,7 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         # for requests sent as text_input
         self.codec = serving.TextCodec(parameters["tokenizer_dir"]) if parameters.get("tokenizer_dir") else None
+        freeze_loaded_heap()  # the model serves until the server stops
 
     def observe_round(self, batch, report) -> None:
         """In the scheduler's thread, after each round: the metrics go out from the outbox's."""

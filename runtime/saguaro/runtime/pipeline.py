@@ -7,6 +7,7 @@ decodes requests itself (`contracts.RequestTarget`: TensorRT-LLM).
 """
 from __future__ import annotations
 
+import gc
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,20 @@ class RequestNames:
 
 
 BATCHING = ("iteration", "per-request")  # one scheduler for all requests | one thread each
+
+
+def freeze_loaded_heap() -> None:
+    """For a process that loads its pipeline once and then serves (the Triton model, a
+    worker): what is alive now (modules, engines, tokenizer: about 250,000 objects) lives
+    as long as the process, so it leaves the garbage collector's care (`gc.freeze`, as
+    vLLM's engine does after start-up). The collector's full passes walk every object it
+    tracks, and with the loaded heap among them one pass took 50-120 ms, run by whichever
+    thread allocated last: at 16 streams on the tiny engines, in one process, a pass in
+    the scheduler's round cost a phase of 512 rounds 7% of its time. Not for a process
+    that loads and drops pipelines: a frozen pipeline's reference cycles are never
+    collected."""
+    gc.collect()  # garbage of the loading itself is not frozen
+    gc.freeze()
 
 
 @dataclass

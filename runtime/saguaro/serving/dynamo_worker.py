@@ -55,7 +55,7 @@ from typing import Any, cast
 from saguaro.runtime.engines.manifest import read_manifest
 from saguaro.runtime.models.checkpoint import read_config
 from saguaro.runtime.models.prompts import has_chat_template
-from saguaro.runtime.pipeline import Pipeline, RequestError
+from saguaro.runtime.pipeline import Pipeline, RequestError, freeze_loaded_heap
 from saguaro.serving import lifecycle
 from saguaro.serving.dynamo_requests import TokenRequest, parse_request
 from saguaro.serving.model_repo import ModelSource, add_source_arguments, default_options, source_from_args
@@ -397,6 +397,7 @@ def main(argv=None) -> int:
     pipeline = Pipeline.load(engines=source.engines_dir, target=source.target_dir, draft=source.draft_dir,
                              batching=args.batching, max_concurrency=args.max_concurrency)
     info = cast(Any, pipeline.target).info  # an Engine's (Pipeline types it object)
+    freeze_loaded_heap()  # the worker serves until it stops
     try:
         template = args.chat_template.read_text() if args.chat_template else None
         files = model_card_files(source, list(info.eos_token_ids), info.bos_token_id, template)
