@@ -48,14 +48,23 @@ class OnlineBudget:
     def __init__(self, budget: int, num_draft_tokens: int, prior_acceptance: float = 0.5,
                  prior_weight: float = 4.0):
         self.budget, self.k = budget, num_draft_tokens
-        depth = torch.arange(num_draft_tokens + 1, dtype=torch.float64)
-        geometric = prior_acceptance ** depth * (1 - prior_acceptance)
-        geometric[-1] = prior_acceptance ** num_draft_tokens  # all K accepted
-        self.accepted_counts = prior_weight * geometric / geometric.sum()
+        self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
         # ranks 0..budget-1 plus a last column for "outside the budget"
         self.ranks = budget
-        rank_prior = 1.0 / torch.arange(1, budget + 2, dtype=torch.float64)
-        self.rank_counts = (prior_weight * rank_prior / rank_prior.sum()).repeat(num_draft_tokens + 1, 1)
+        # the counts are made when a round first drafts branches, as `StaticFanout`'s tensor
+        self._counts: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The accepted lengths' counts, by depth, and the bonus ranks', by depth and rank:
+        the priors until rounds are observed."""
+        if self._counts is None:
+            depth = torch.arange(self.k + 1, dtype=torch.float64)
+            geometric = self.prior_acceptance ** depth * (1 - self.prior_acceptance)
+            geometric[-1] = self.prior_acceptance ** self.k  # all K accepted
+            rank_prior = 1.0 / torch.arange(1, self.budget + 2, dtype=torch.float64)
+            self._counts = (self.prior_weight * geometric / geometric.sum(),
+                            (self.prior_weight * rank_prior / rank_prior.sum()).repeat(self.k + 1, 1))
+        return self._counts
 
     @property
     def max_branches(self) -> int:
@@ -63,8 +72,9 @@ class OnlineBudget:
 
     def fanout(self, depths: int | None = None, cap: int | None = None) -> torch.Tensor:
         depths = self.k + 1 if depths is None else depths
-        p_depth = self.accepted_counts[:depths] / self.accepted_counts[:depths].sum()
-        p_rank = self.rank_counts[:depths] / self.rank_counts[:depths].sum(1, keepdim=True)
+        accepted_counts, rank_counts = self.counts()
+        p_depth = accepted_counts[:depths] / accepted_counts[:depths].sum()
+        p_rank = rank_counts[:depths] / rank_counts[:depths].sum(1, keepdim=True)
         hit_gain = p_depth.unsqueeze(1) * p_rank[:, :-1]
         fanout = torch.zeros(depths, dtype=torch.int64)
         rows = torch.arange(depths)
@@ -75,8 +85,9 @@ class OnlineBudget:
         return fanout
 
     def observe(self, accepted: int, bonus_rank: int) -> None:
-        self.accepted_counts[accepted] += 1
-        self.rank_counts[accepted, min(bonus_rank, self.ranks)] += 1
+        accepted_counts, rank_counts = self.counts()
+        accepted_counts[accepted] += 1
+        rank_counts[accepted, min(bonus_rank, self.ranks)] += 1
 
 
 def within_cap(fanout: torch.Tensor, cap: int | None) -> torch.Tensor:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import statistics
 import time
+from bisect import bisect_left
 from collections.abc import Mapping
 from contextlib import nullcontext
+from operator import itemgetter
 
 import torch
 
@@ -141,7 +143,9 @@ class CostCurve:
     def __init__(self, points: Mapping[int, float] | Mapping[float, float] | None = None):
         self.points = dict(sorted((points or {}).items()))  # the shape
         self.factors: dict[float, float] = {}  # measured over the shape, at points measurements moved
-        self._rising: list[tuple[float, float]] | None = None  # the envelope, until a point moves
+        # read at every price the load policy weighs (dozens a round): kept until a point moves
+        self._level_list: list[tuple[float, float]] | None = None
+        self._rising: list[tuple[float, float]] | None = None  # the envelope
         self._sizes_measured: set[float] = set()  # sizes the served rounds measured
 
     @property
@@ -157,12 +161,12 @@ class CostCurve:
     def observe(self, size: float, seconds: float, lasting: bool = False, following: float = FOLLOWING) -> None:
         """`lasting`: a calibration point, taken as it is (the fastest of its repeats);
         `following`: how far the measurement moves the curve toward itself."""
-        self._rising = None
         if not lasting:
             self._sizes_measured.add(size)
         if lasting or not self.points:
             self.points[size] = min(seconds, self.points.get(size, seconds))
             self.points = dict(sorted(self.points.items()))
+            self._moved()
             return
         # against the curve's own level there, not its rising envelope: where the envelope
         # held a size up (a smaller size priced dearer), every measurement of it had pushed
@@ -176,8 +180,9 @@ class CostCurve:
         correction = seconds / predicted
         for point, share in self._shares(size):
             self.factors[point] = self.factor(point) * correction ** (following * share)
-        self._bound_below(size)
         self.factors = dict(sorted(self.factors.items()))
+        self._moved()
+        self._bound_below(size)
 
     def calibrated(self, points: Mapping[int, float]) -> "CostCurve":
         """A curve of the calibration's shape (`points`), at the level this one measured
@@ -193,6 +198,7 @@ class CostCurve:
             shape = along(list(curve.points.items()), size)
             if shape > 0:
                 curve.factors[size] = along(self._levels(), size) / shape
+                curve._moved()
         return curve
 
     def _bound_below(self, size: float) -> None:
@@ -205,9 +211,10 @@ class CostCurve:
         thread (64 ms) in 97% of rounds, its second core idle."""
         levels = self._levels()
         ceiling = along(levels, size)
-        for point, level in levels:
-            if point < size and level > ceiling:
-                self.factors[point] = ceiling / self.points[point]
+        lowered = {point: ceiling / self.points[point] for point, level in levels if point < size and level > ceiling}
+        if lowered:
+            self.factors = dict(sorted({**self.factors, **lowered}.items()))
+            self._moved()
 
     def factor(self, size: float) -> float:
         """Measured over calibrated near `size`: interpolated between the points
@@ -226,10 +233,16 @@ class CostCurve:
         toward_high = (size - low) / (high - low)
         return [(low, 1.0 - toward_high), (high, toward_high)]
 
+    def _moved(self) -> None:
+        """A point or a factor changed: the levels and their envelope are read afresh."""
+        self._level_list = self._rising = None
+
     def _levels(self) -> list[tuple[float, float]]:
         """Each calibrated size's seconds times its factor (`factor`, the list read once)."""
-        factors = list(self.factors.items())
-        return [(size, seconds * factor_in(factors, size)) for size, seconds in self.points.items()]
+        if self._level_list is None:
+            factors = list(self.factors.items())
+            self._level_list = [(size, seconds * factor_in(factors, size)) for size, seconds in self.points.items()]
+        return self._level_list
 
     def _envelope(self) -> list[tuple[float, float]]:
         if self._rising is None:
@@ -269,7 +282,7 @@ def interpolated(points: list[tuple[float, float]], size: float, extend: bool) -
         return points[0][1]
     if size >= points[-1][0] and not (extend and len(points) > 1):
         return points[-1][1]
-    segment = next((i for i, (s, _) in enumerate(points) if s >= size), len(points) - 1)
+    segment = min(bisect_left(points, size, key=itemgetter(0)), len(points) - 1)  # the first at or above
     (low, low_value), (high, high_value) = points[segment - 1], points[segment]
     return low_value + (high_value - low_value) / (high - low) * (size - low)
 
