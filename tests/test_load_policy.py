@@ -1120,6 +1120,19 @@ def test_speculation_off_at_a_load_no_k_could_beat_holds_while_requests_join_and
     assert len(weighed) == 4 * chosen_once  # ... so the smaller batch is weighed again
 
 
+def test_a_requests_last_round_does_not_hold_the_next_request_at_k_0():
+    """At one stream, a request's last round (no room to draft) chooses K = 0 and says
+    nothing of the load: the request that takes its place is weighed at once and drafts
+    where drafting pays, instead of being held quiet as if no K could (it had been, for
+    half of each request's rounds)."""
+    policy = policy_with(measured(0.005, 0.00002), measured(0.0002, 0.00001), acceptance=0.9)  # drafting pays
+    ending = FakeSequence(room=1)
+    assert policy.choose([ending])[0].draft_tokens == 0
+    assert not policy._hopeless
+    fresh = FakeSequence()
+    assert policy.choose([fresh])[0].draft_tokens == 4
+
+
 def test_a_round_that_drafted_nothing_names_the_most_telling_reason():
     drafts = Plan(2)
     assert undrafted_reason([drafts, Plan(0, undrafted="clock")]) is None  # it drafted
