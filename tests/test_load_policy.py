@@ -1133,18 +1133,6 @@ def test_a_requests_last_round_does_not_hold_the_next_request_at_k_0():
     assert policy.choose([fresh])[0].draft_tokens == 4
 
 
-def test_a_quiet_choice_holds_through_joins_but_not_for_a_batch_of_other_requests():
-    """A choice that no K could beat holds while requests join its batch; a batch none of
-    whose requests it weighed (at one stream: the next request) is weighed afresh."""
-    policy = policy_with(measured(0.0001, 0.001), measured(0.0008, 0.0005), acceptance=0.0)  # compute-bound
-    first = FakeSequence()
-    assert policy.choose([first])[0].draft_tokens == 0 and policy._hopeless
-    policy.price.verify_cost = measured(0.005, 0.00002)  # weight-bound now: drafting could pay
-    held = policy.choose([first, FakeSequence()])
-    assert [plan.undrafted for plan in held] == ["held", "held"]  # one joined: the choice holds
-    assert policy.choose([FakeSequence()])[0].undrafted != "held"  # another request alone: weighed
-
-
 def test_a_round_that_drafted_nothing_names_the_most_telling_reason():
     drafts = Plan(2)
     assert undrafted_reason([drafts, Plan(0, undrafted="clock")]) is None  # it drafted

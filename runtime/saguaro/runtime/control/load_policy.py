@@ -224,13 +224,10 @@ class LoadPolicy:
         weighing every K for every request each time (1.5-2 ms of Python) had cost SSD with
         the policy a fifth of autoregressive speed on the tiny engines, whose rounds take
         1.4 ms. A batch that lost requests, which might pay, is asked only whether some K
-        could (`_nothing_could_pay`: a few K for one request). A batch with none of the
-        requests the choice weighed is weighed afresh: at one stream, a choice made in a
-        request's last rounds (where K was bounded by the room left) had held the next
-        request quiet for up to 64 of its rounds."""
+        could (`_nothing_could_pay`: a few K for one request)."""
         kept = self._kept
         if not (self._hopeless and kept is not None and kept.rounds_left > 0
-                and all(sequence.adapts for sequence in batch) and kept.shares_a_request(batch)):
+                and all(sequence.adapts for sequence in batch)):
             return False
         if len(batch) < kept.size:  # a smaller batch might pay: asked again, at a glance
             if not self._nothing_could_pay([self._candidate(sequence) for sequence in batch], [0] * len(batch)):
@@ -477,11 +474,6 @@ class _KeptChoice:
 
     def follow(self, batch) -> None:
         self.batch = [weakref.ref(sequence) for sequence in batch]
-
-    def shares_a_request(self, batch) -> bool:
-        """Some sequence of `batch` is one the choice was made for."""
-        weighed = {id(sequence) for sequence in (kept() for kept in self.batch) if sequence is not None}
-        return any(id(sequence) in weighed for sequence in batch)
 
     def holds_for(self, batch) -> bool:
         """The same sequences, rounds left, and nothing in the last round that may change
