@@ -1133,6 +1133,19 @@ def test_a_requests_last_round_does_not_hold_the_next_request_at_k_0():
     assert policy.choose([fresh])[0].draft_tokens == 4
 
 
+def test_a_load_is_judged_hopeless_with_each_requests_whole_k_not_the_room_it_has_left():
+    """Rounds that start drafting cost a fixed 4 ms: K = 1 cannot pay, K = 4 can. A request
+    with room for one draft chooses K = 0, and the policy does not take the load as
+    hopeless: the hold that would follow outlasts requests, and the next request, with
+    its output ahead of it, drafts at once."""
+    policy = policy_with(measured(0.005, 0.00002), measured(0.0002, 0.00001), acceptance=0.8)
+    policy.price.draft_start_cost.observe(1, 0.004)
+    ending = FakeSequence(room=2)
+    assert policy.choose([ending])[0].draft_tokens == 0
+    assert not policy._hopeless
+    assert policy.choose([FakeSequence()])[0].draft_tokens == 4
+
+
 def test_a_round_that_drafted_nothing_names_the_most_telling_reason():
     drafts = Plan(2)
     assert undrafted_reason([drafts, Plan(0, undrafted="clock")]) is None  # it drafted

@@ -321,15 +321,20 @@ class LoadPolicy:
     def _nothing_could_pay(self, candidates: list[Candidate], ks: list[int]) -> bool:
         """No request drafts, and none could pay at this load with a draft as good as the
         optimistic prior (`_could_pay`, asked of the first request that may draft: at a
-        glance, as the others ask the same of the same costs). A batch in which no request
-        may draft this round (each in its last round, or not adapting) says nothing of the
-        load: taken as hopeless, a request's last round at one stream held the next
-        requests at K = 0 for the quiet rounds, each longer than the last (bench pair: 31
-        of each request's 64 rounds held, where drafting ran 1.2x faster)."""
+        glance, as the others ask the same of the same costs), with all its K and its output
+        ahead of it: how much room a request has left says nothing of the load. Judged with
+        the room left, a request's last rounds at one stream (K = 1 and a lagging draft
+        cache's catch-up spread over one round) were hopeless, and the hold, which outlasts
+        requests, kept the next ones at K = 0 for quiet rounds each longer than the last
+        (bench pair: 31 of each request's 64 rounds, where drafting ran 1.2x faster). A batch
+        in which no request may draft this round says nothing of the load either."""
         if any(ks):
             return False
         hopeful = next((i for i, c in enumerate(candidates) if c.adapts and c.most), None)
-        return hopeful is not None and not self._could_pay(candidates, ks, hopeful)
+        if hopeful is None:
+            return False
+        unbounded = replace(candidates[hopeful], most=len(candidates[hopeful].hopeful) - 1, room=Candidate.room)
+        return not self._could_pay(candidates[:hopeful] + [unbounded] + candidates[hopeful + 1:], ks, hopeful)
 
     def _best(self, candidates, speculating: bool):
         if not speculating:
