@@ -251,8 +251,7 @@ class CostCurve:
                 elif above == 0 or above == len(factors):  # before the first, or past the last
                     factor = factors[min(above, len(factors) - 1)][1]
                 else:
-                    (low, low_factor), (high, high_factor) = factors[above - 1], factors[above]
-                    factor = low_factor + (high_factor - low_factor) / (high - low) * (size - low)
+                    factor = on_line(factors[above - 1], factors[above], size)
                 levels.append((size, seconds * factor))
             self._level_list = levels
         return self._level_list
@@ -296,8 +295,13 @@ def interpolated(points: list[tuple[float, float]], size: float, extend: bool) -
     if size >= points[-1][0] and not (extend and len(points) > 1):
         return points[-1][1]
     segment = min(bisect_left(points, size, key=itemgetter(0)), len(points) - 1)  # the first at or above
-    (low, low_value), (high, high_value) = points[segment - 1], points[segment]
-    return low_value + (high_value - low_value) / (high - low) * (size - low)
+    return on_line(points[segment - 1], points[segment], size)
+
+
+def on_line(low: tuple[float, float], high: tuple[float, float], size: float) -> float:
+    """The line through two `(size, value)` points, at `size`."""
+    (low_size, low_value), (high_size, high_value) = low, high
+    return low_value + (high_value - low_value) / (high_size - low_size) * (size - low_size)
 
 
 class LinearCost:
