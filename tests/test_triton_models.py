@@ -40,14 +40,18 @@ def long_pair(tiny_pair, tmp_path_factory):
 TOKEN = "test-token"
 
 
+def ssd_parameters(pair, **overrides: str) -> dict:
+    """The `ssd` model's parameters over the checkpoints of `pair`, SSD at K = 4 by default."""
+    return {"engines_dir": "", "target_dir": str(pair / "target"), "draft_dir": str(pair / "draft"),
+            "default_decoding_mode": "ssd", "default_num_draft_tokens": "4", "default_fanout": "3",
+            "default_budget": "", **overrides}
+
+
 @pytest.fixture
 def ssd(ssd_module, long_pair, monkeypatch):
     monkeypatch.setenv(CONTROL_TOKEN_ENV, TOKEN)  # as the launcher sets it for the server
     model = ssd_module.TritonPythonModel()
-    model.initialize(fake_triton.model_args("ssd", {
-        "engines_dir": "", "target_dir": str(long_pair / "target"), "draft_dir": str(long_pair / "draft"),
-        "default_decoding_mode": "ssd", "default_num_draft_tokens": "4", "default_fanout": "3",
-        "default_budget": "", "max_concurrency": "4"}))
+    model.initialize(fake_triton.model_args("ssd", ssd_parameters(long_pair, max_concurrency="4")))
     yield model
     model.finalize()
     gc.unfreeze()  # the model froze the heap as a server's process does; this one goes on testing
@@ -64,10 +68,7 @@ def test_the_model_freezes_what_it_loaded_after_collecting_the_loadings_garbage(
     del garbage
     model = ssd_module.TritonPythonModel()
     try:
-        model.initialize(fake_triton.model_args("ssd", {
-            "engines_dir": "", "target_dir": str(long_pair / "target"), "draft_dir": str(long_pair / "draft"),
-            "default_decoding_mode": "ssd", "default_num_draft_tokens": "4", "default_fanout": "3",
-            "default_budget": "", "max_concurrency": "1"}))
+        model.initialize(fake_triton.model_args("ssd", ssd_parameters(long_pair, max_concurrency="1")))
         assert garbage_left() is None, "garbage of the loading was frozen, never to be collected"
         assert gc.get_freeze_count() > 0
         assert not any(tracked is loaded for tracked in gc.get_objects()), "the loaded heap is still walked"

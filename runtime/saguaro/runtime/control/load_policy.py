@@ -333,8 +333,8 @@ class LoadPolicy:
         hopeful = next((i for i, c in enumerate(candidates) if c.adapts and c.most), None)
         if hopeful is None:
             return False
-        unbounded = replace(candidates[hopeful], most=len(candidates[hopeful].hopeful) - 1, room=Candidate.room)
-        return not self._could_pay(candidates[:hopeful] + [unbounded] + candidates[hopeful + 1:], ks, hopeful)
+        ahead = candidates[:hopeful] + [candidates[hopeful].with_output_ahead()] + candidates[hopeful + 1:]
+        return not self._could_pay(ahead, ks, hopeful)
 
     def _best(self, candidates, speculating: bool):
         if not speculating:

@@ -33,7 +33,7 @@ measured rounds after that, old measurements fading.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from saguaro.runtime.control.costs import FOLLOWING, MOST_BRANCHES, CostCurve, LinearCost, Misprediction, hidden_branches
 from saguaro.runtime.control.sessions import SessionChoice
@@ -252,3 +252,8 @@ class Candidate:
     def fitted(self, k: int) -> int:
         """`k` within what it may draft this round; a pinned K stays its own."""
         return min(k, self.most) if self.adapts else self.most
+
+    def with_output_ahead(self) -> "Candidate":
+        """The request with all its K (`hopeful` spans depths 0..K) and its whole output
+        ahead of it: what it could draft at this load, whatever room it has left."""
+        return replace(self, most=len(self.hopeful) - 1, room=Candidate.room)
