@@ -34,10 +34,11 @@ python scripts/build_engines.py --config smollm2 --precision fp32 --target "$TAR
   --out "$ENGINES" --quiet
 took
 
-step "4/5 SSD on the engines, the question as a chat message; then autoregressive decoding, to compare"
+# --compare: both modes in this one process, each once untimed (an engine's first forwards
+# cost more), then ten runs each taking turns: the answer is short, one run's time is noise
+step "4/5 SSD on the engines, the question as a chat message; then SSD against autoregressive decoding"
 python scripts/generate.py --engines "$ENGINES" --mode ssd --num-draft-tokens 4 --fanout 3 \
-  --chat --prompt "$QUESTION" --max-tokens 96
-python scripts/generate.py --engines "$ENGINES" --mode autoregressive --chat --prompt "$QUESTION" --max-tokens 96
+  --chat --prompt "$QUESTION" --max-tokens 96 --compare autoregressive --repeats 10
 took
 
 step "5/5 Triton Inference Server on 127.0.0.1 (gRPC 8001), the answer streamed over gRPC"

@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from saguaro.runtime.core.sampling import (
     keyed_uniforms,
     pick_tokens,
 )
+from saguaro.runtime.mode_comparison import compare_modes
 from saguaro.runtime.models.checkpoint import CheckpointError
 from saguaro.runtime.pipeline import Pipeline, RequestError
 
@@ -258,10 +261,50 @@ def test_cli_json_contract(tiny_pair):
     (["--top-p", "1.5"], "top_p"),
     (["--prompt", ""], "prompt is empty"),
     (["--fanout", "x"], "--fanout"),
+    (["--mode", "ssd", "--compare", "ssd"], "--compare ssd: that is the --mode being run"),
+    (["--compare", "autoregressive", "--repeats", "0"], "--repeats must be at least 1"),
 ])
 def test_cli_rejects_bad_input_with_exit_code_2(tiny_pair, args, message):
     result = generate_cli("--target", str(tiny_pair / "target"), "--draft", str(tiny_pair / "draft"), *args)
     assert result.returncode == 2 and message in result.stderr
+
+
+def test_cli_compares_two_modes_in_one_process_and_checks_their_tokens(tiny_pair):
+    result = generate_cli("--target", str(tiny_pair / "target"), "--draft", str(tiny_pair / "draft"),
+                          "--mode", "ssd", "--prompt", "The with statement", "--max-tokens", "12",
+                          "--compare", "autoregressive", "--repeats", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    output = json.loads(result.stdout)
+    comparison, (generation,) = output["comparison"], output["generations"]
+    assert generation["stats"]["mode"] == "ssd" and comparison["repeats"] == 2
+    assert comparison["same_tokens"] is True  # greedy SSD is the target's own output
+    speeds = comparison["tokens_per_s"]
+    assert speeds["ssd"] > 0 and speeds["autoregressive"] > 0
+    assert comparison["ratio"] == pytest.approx(speeds["ssd"] / speeds["autoregressive"], rel=1e-3)
+    human = generate_cli("--target", str(tiny_pair / "target"), "--draft", str(tiny_pair / "draft"),
+                         "--mode", "ssd", "--prompt", "The with statement", "--max-tokens", "12",
+                         "--compare", "autoregressive", "--repeats", "1")
+    assert human.returncode == 0, human.stderr
+    assert "[compare] ssd" in human.stdout and "the same tokens" in human.stdout
+
+
+def test_a_comparison_runs_each_mode_untimed_first_then_turns_the_order_and_sums_the_runs():
+    """Neither mode always runs first (a shared machine's speed drifts), and neither is timed
+    on its first run (an engine's first forwards cost more)."""
+    calls, clock = [], iter(range(100))
+
+    def generate(requests):
+        calls.append(requests[0])
+        return [SimpleNamespace(output_ids=[1] * (3 if requests[0] == "ssd" else 2))]
+
+    with patch("saguaro.runtime.mode_comparison.time.perf_counter", lambda: float(next(clock))):
+        comparison = compare_modes(generate, lambda options: [options.mode], DecodeOptions(mode="ssd"),
+                                   DecodeOptions(mode="autoregressive"), repeats=3, greedy=False)
+    assert calls == ["ssd", "autoregressive", "ssd", "autoregressive", "autoregressive", "ssd", "ssd",
+                     "autoregressive"]
+    assert comparison.first.tokens == 9 and comparison.second.tokens == 6
+    assert comparison.first.seconds == comparison.second.seconds == 3  # each timed run: one tick
+    assert comparison.ratio == pytest.approx(1.5) and comparison.same_tokens is None
 
 
 def test_a_draft_scoring_part_of_the_vocabulary_samples_from_those_tokens_alone():

@@ -4,8 +4,13 @@
     python scripts/generate.py --engines engines/tiny --json ...
     python scripts/generate.py --engines engines/smollm2 --chat --prompt "What is the capital of France?"
     python scripts/generate.py --engines engines/bench --prompt "The with statement" --prompt "A class"
+    python scripts/generate.py --engines engines/smollm2 --chat --prompt "Why is the sky blue?" \
+        --mode ssd --compare autoregressive
 
 Several `--prompt`s are decoded together, their rounds batched (`saguaro.runtime.decoding.scheduler`).
+`--compare MODE` then decodes them again in this process with both modes, each once
+untimed and then `--repeats` times taking turns, and prints both speeds and whether
+greedy decoding gave the same tokens (`saguaro.runtime.mode_comparison`).
 
 Every flag is validated before a model loads; a bad value exits with code 2 and a
 message naming it.
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from saguaro.runtime.arguments import (
@@ -25,6 +31,8 @@ from saguaro.runtime.arguments import (
     sampling_params,
 )
 from saguaro.runtime.control.load_policy import PROBE_PERIOD
+from saguaro.runtime.core.options import MODES
+from saguaro.runtime.mode_comparison import compare_modes
 from saguaro.runtime.pipeline import Pipeline
 
 DEFAULT_MODELS = Path("models/tiny")
@@ -48,9 +56,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=DECODE_DEFAULTS.max_tokens)
     add_sampling_arguments(parser)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per model")
-    parser.add_argument("--json", action="store_true", help="print one JSON object (a list for several prompts)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (a list for several prompts; with --compare, "
+                             "{\"generations\": [...], \"comparison\": {...}})")
+    parser.add_argument("--compare", choices=MODES, metavar="MODE",
+                        help=f"then time --mode against MODE (one of {', '.join(MODES)}) on the same engines, "
+                             "in this process: one untimed run of each, then --repeats runs each, taking turns")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each mode with --compare (default 3)")
     args = parser.parse_args(argv)
     args.prompts = args.prompt or [DEFAULT_PROMPT]
+    if args.compare == args.mode:
+        parser.error(f"--compare {args.compare}: that is the --mode being run; name the other mode to time against")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     return args
 
 
@@ -116,20 +134,30 @@ def main(argv=None) -> int:
             pipeline = Pipeline.load(target=args.target, draft=args.draft, threads=args.threads)
         if args.system and not args.chat:
             raise ValueError("--system needs --chat")
-        requests = [pipeline.request(pipeline.encode_chat(prompt, args.system) if args.chat
-                                     else pipeline.encode(prompt), options, sampling) for prompt in args.prompts]
+        prompts = [pipeline.encode_chat(prompt, args.system) if args.chat else pipeline.encode(prompt)
+                   for prompt in args.prompts]
+
+        def make_requests(decoding):
+            return [pipeline.request(prompt_ids, decoding, sampling) for prompt_ids in prompts]
+        requests = make_requests(options)
+        compared = replace(options, mode=args.compare) if args.compare else None
     except ValueError as error:
         print(f"generate.py: error: {error}", file=sys.stderr)
         return 2
     with pipeline:
         results = [report(pipeline, generation) for generation in pipeline.generate_batch(requests)]
+        if not args.json:
+            for prompt, result in zip(args.prompts, results):
+                print_human(result, prompt, args.chat, sampled=not sampling.greedy, adapts=options.adapt_k)
+        comparison = None if compared is None else compare_modes(
+            pipeline.generate_batch, make_requests, options, compared, args.repeats, sampling.greedy)
     if args.json:
-        print(json.dumps(results[0] if len(results) == 1 else results))
-    else:
-        for prompt, result in zip(args.prompts, results):
-            print_human(result, prompt, args.chat, sampled=not sampling.greedy, adapts=options.adapt_k)
+        generations = results[0] if len(results) == 1 else results
+        print(json.dumps(generations if comparison is None else
+                         {"generations": results, "comparison": comparison.as_dict()}))
+    elif comparison is not None:
+        print(comparison.summary())
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
