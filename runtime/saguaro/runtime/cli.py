@@ -159,5 +159,6 @@ def main(argv=None) -> int:
         print(comparison.summary())
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())
