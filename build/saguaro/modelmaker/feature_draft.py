@@ -66,8 +66,10 @@ class FeatureDraftSettings:
     new_tokens: int = 128
     chat_share: float = 0.75     # the rest are documentation-text prompts
     generation_batch: int = 32
-    train: TrainSettings = TrainSettings(steps=1800, batch_size=4, seq_len=0, lr=1e-3, warmup_steps=20)
-    ttt_steps: int = 3           # drafting steps unrolled per training step
+    train: TrainSettings = TrainSettings(steps=3300, batch_size=4, seq_len=0, lr=1e-3, warmup_steps=20)
+    # drafting steps unrolled per training step: 2 trained more steps in the same minutes
+    # than 3 and measured better at every depth (docs/drafts.md, "Two unrolled steps")
+    ttt_steps: int = 2
     step_decay: float = 0.8      # weight of step j's loss: step_decay ** (j - 1)
     soft_top: int = 16           # target tokens per position whose probabilities the head learns
     soft_weight: float = 1.0     # weight of that soft term against the greedy-token term
@@ -80,16 +82,15 @@ class FeatureDraftSettings:
 
 
 PRESETS = {
-    # The target answering 1536 prompts x 128 tokens in bf16 batches of 32, then 1800 steps
-    # of 4 answers x 3 unrolled steps (three times the steps of the earlier preset: held-out
-    # agreement 0.37 -> 0.43 on the same answers): 26-31 minutes on 2 cores before the time
-    # bound (11-15 answering, 15-17 training; docs/drafts.md); now at most 29, with fewer
-    # steps on a busier machine.
+    # The target answering 1536 prompts x 128 tokens in bf16 batches of 32, then up to 3300
+    # steps of 4 answers x 2 unrolled steps, as many as the time bound holds: at most 29
+    # minutes on 2 cores (11-15 answering; docs/drafts.md), fewer steps on a busier machine.
     "full": FeatureDraftSettings(),
     # The quickstart's: under 3 minutes on 2 cores: 192 answers (nine in ten to chat
-    # questions) x 96 tokens, 220 steps (250 took 3 min 2 s with agreement 0.283).
+    # questions) x 96 tokens, up to 330 steps (of 2 unrolled steps: the minutes that held
+    # 220 of 3).
     "quick": FeatureDraftSettings(train_prompts=192, held_out_prompts=16, new_tokens=96, chat_share=0.9, minutes=2.9,
-                                  train=TrainSettings(steps=220, batch_size=4, seq_len=0, lr=2e-3, warmup_steps=10)),
+                                  train=TrainSettings(steps=330, batch_size=4, seq_len=0, lr=2e-3, warmup_steps=10)),
 }
 
 
