@@ -9,19 +9,16 @@ import pytest
 import torch
 
 from saguaro.modelmaker.feature_answers import Answer, collect_answers
+from saguaro.modelmaker.feature_chains import batch_of, chain_mask, unrolled
 from saguaro.modelmaker.feature_draft import (
     PRESETS,
-    acceptance,
-    batch_of,
-    chain_mask,
     draft_vocabulary,
     encoded_prompts,
     initial_head,
     make_feature_draft,
-    round_lengths,
     train_head,
-    unrolled,
 )
+from saguaro.modelmaker.feature_report import acceptance, round_lengths
 from saguaro.modelmaker.train import TrainSettings
 from saguaro.runtime.models.checkpoint import load_checkpoint
 from saguaro.runtime.models.feature_head import is_feature_head, load_feature_head

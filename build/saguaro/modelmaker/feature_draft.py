@@ -18,10 +18,7 @@
     -> a release-format head folder (`feature_head.save_feature_head`), the target's
        tokenizer files, and draft.json (the report, naming the target it was trained for)
 
-Indexing used throughout: element e of a sequence's arrays is the token at position
-e + 1 paired with the target's feature of position e (the token at position 0 has no
-feature before it, as in the releases); step j of an unrolled chain started at element e
-reads the token at position e + j and predicts the one at e + j + 1.
+The unrolled chains over answers: `feature_chains`; the held-out report: `feature_report`.
 """
 from __future__ import annotations
 
@@ -29,7 +26,6 @@ import copy
 import dataclasses
 import json
 import shutil
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,11 +45,13 @@ from saguaro.modelmaker.draft_for import (
 from saguaro.modelmaker.draft_prompts import prompt_set
 from saguaro.modelmaker.draft_training import output_rows_of, soft_cross_entropy
 from saguaro.modelmaker.feature_answers import Answer, collect_answers, fast_bfloat16
+from saguaro.modelmaker.feature_chains import Batch, batch_of, unrolled
+from saguaro.modelmaker.feature_report import acceptance, head_decode_cost, step_seconds
 from saguaro.modelmaker.model_pair import pinned_torch
 from saguaro.modelmaker.train import TrainSettings, fit
 from saguaro.runtime.models.checkpoint import DRAFT_REPORT, load_checkpoint
 from saguaro.runtime.models.feature_head import FeatureHead, FeatureHeadShape, default_feature_layers, save_feature_head
-from saguaro.runtime.models.llama import Features, Llama, rope_cos_sin
+from saguaro.runtime.models.llama import Features, Llama
 
 KIND = "feature"
 
@@ -123,63 +121,6 @@ def draft_vocabulary(answers: list[Answer], size: int, vocab_size: int, always: 
     return output_vocabulary(answers, size, vocab_size, always)
 
 
-@dataclass
-class Batch:
-    """Right-padded arrays by position (see the module docstring for the indexing)."""
-
-    ids: torch.Tensor         # [B, W + 1 + steps]: the tokens by position, 0-padded
-    features: torch.Tensor    # [B, W, feature_width]: element e holds the feature of position e
-    scored: torch.Tensor      # [B, W + 1 + steps] bool: continuation positions (labels)
-    soft_ids: torch.Tensor    # [B, W + 1 + steps, soft_top]: target tokens predicting each position
-    soft_probs: torch.Tensor  # [B, W + 1 + steps, soft_top]; 0 off the continuation
-    width: int
-
-
-def batch_of(answers: list[Answer], steps: int, soft_top: int) -> Batch:
-    width = max(len(a.ids) for a in answers) - 1
-    count, span = len(answers), width + 1 + steps
-    ids = torch.zeros(count, span, dtype=torch.long)
-    features = torch.zeros(count, width, answers[0].features.shape[-1], dtype=answers[0].features.dtype)
-    scored = torch.zeros(count, span, dtype=torch.bool)
-    soft_ids = torch.zeros(count, span, soft_top, dtype=torch.long)
-    soft_probs = torch.zeros(count, span, soft_top)
-    for row, a in enumerate(answers):
-        end = len(a.ids)
-        ids[row, :end] = torch.tensor(a.ids)
-        features[row, :end - 1] = a.features
-        scored[row, a.start:end] = True
-        soft_ids[row, a.start:end] = a.top_ids[:, :soft_top]
-        soft_probs[row, a.start:end] = a.top_logprobs[:, :soft_top].float().exp()
-    return Batch(ids, features, scored, soft_ids, soft_probs, width)
-
-
-def chain_mask(width: int, step: int) -> torch.Tensor:
-    """`[width, width * step]`: step `step`'s query at element e sees the first step's keys
-    up to e (true features) and, of each later step, the key of its own chain (element e)."""
-    causal = torch.arange(width) <= torch.arange(width).unsqueeze(1)
-    return torch.cat([causal] + [torch.eye(width, dtype=torch.bool)] * (step - 1), dim=1)
-
-
-def unrolled(head: FeatureHead, batch: Batch, steps: int) -> list[torch.Tensor]:
-    """hidden_out of each drafting step `[B, W, hidden]`: step 1 on the target's features,
-    step j on step j - 1's hidden_out at the same element (the chain's previous token)."""
-    count, width = batch.ids.shape[0], batch.width
-    hidden = head.project(batch.features)
-    keys, values, outs = [], [], []
-    for step in range(1, steps + 1):
-        tokens = batch.ids[:, step:step + width]
-        positions = (torch.arange(width) + step).expand(count, width)
-        x, residual = head.layer_inputs(tokens, hidden)
-        cos, sin = rope_cos_sin(positions, head.inv_freq)
-        q, k, v = head.project_qkv(x, cos, sin)
-        keys.append(k)
-        values.append(v)
-        mask = chain_mask(width, step).expand(count, width, width * step)
-        hidden = head.finish_layer(residual, q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
-        outs.append(hidden)
-    return outs
-
-
 def step_targets(batch: Batch, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """For step `step`, per element: whether it has a label, the greedy token it should
     predict (position e + 1 + step), and the target's soft labels there."""
@@ -211,82 +152,6 @@ def train_head(head: FeatureHead, answers: list[Answer], settings: FeatureDraftS
             return ttt_loss(head, batch, settings)
 
     return fit(head, settings.train, batch_loss, progress, "feature head", deadline)
-
-
-# The held-out report.
-
-@torch.no_grad()
-def acceptance(head: FeatureHead, answers: list[Answer], k: int, batch: int = 8) -> dict:
-    """Agreement per continuation token on true features, and the accepted lengths of
-    greedy rounds of K drafts, each drafted on the head's own features."""
-    head.eval()
-    flat, lengths = [], []
-    for first in range(0, len(answers), batch):
-        group = answers[first:first + batch]
-        packed = batch_of(group, k, 1)
-        guesses = [head.target_ids()[head.draft_logits(h).argmax(-1)] for h in unrolled(head, packed, k)]
-        for row, a in enumerate(group):
-            matches = [(guesses[j][row] == packed.ids[row, 2 + j:2 + j + packed.width]).tolist() for j in range(k)]
-            flat += matches[0][max(a.start, 2) - 2:len(a.ids) - 2]  # element e predicts position e + 2
-            lengths += round_lengths(matches, a, k)
-    rounds = max(1, len(lengths))
-    return {"k": k, "prompts": len(answers), "prompt_tokens": sum(a.start for a in answers) // len(answers),
-            "new_tokens": max(len(a.continuation) for a in answers), "tokens_scored": len(flat),
-            "agreement": sum(flat) / max(1, len(flat)), "rounds": len(lengths),
-            "mean_accepted": sum(lengths) / rounds,
-            "accepted_histogram": [lengths.count(a) / rounds for a in range(k + 1)]}
-
-
-def round_lengths(matches: list[list[bool]], answer: Answer, k: int) -> list[int]:
-    """Replay greedy rounds along one answer: a round whose bonus token is at position i
-    drafts from element i - 1, and draft j matches if it equals the token at i + j. A
-    round the answer does not decide (all matched, fewer than K tokens left) is left out."""
-    lengths, position, end = [], answer.start, len(answer.ids)
-    while (available := min(k, end - 1 - position)) > 0:
-        window = [matches[j][position - 1] for j in range(available)]
-        accepted = window.index(False) if False in window else available
-        if accepted == available < k:
-            break
-        lengths.append(accepted)
-        position += accepted + 1
-    return lengths
-
-
-def step_seconds(head: FeatureHead, target: Llama, context: int = 128, repeats: int = 15) -> dict:
-    """Median seconds of one decode step at batch 1 and one thread, after `context`
-    cached entries: the target's, and the head's (fc projection included)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        token, mask = torch.tensor([[1]]), torch.ones(1, 1, context + 1, dtype=torch.bool)
-        at, one = torch.tensor([[context]]), torch.ones(1, dtype=torch.long)
-        layers, heads, dim = target.shape.kv_shape
-        target_kv = torch.zeros(layers, 2, 1, heads, context + 1, dim)
-        head_kv = torch.zeros(1, 2, 1, head.shape.num_kv_heads, context + 1, head.shape.head_dim)
-        features = torch.randn(1, 1, head.shape.feature_width)
-
-        def target_step():
-            target.forward_packed(target_kv, token, at, at[0], one, mask)
-
-        def head_step():
-            with torch.inference_mode():
-                head.forward_packed(head_kv, token, head.project(features), at, at[0], one, mask)
-
-        seconds = {"target": median_seconds(target_step, repeats), "draft": median_seconds(head_step, 4 * repeats)}
-    finally:
-        torch.set_num_threads(previous)
-    return {**{key: round(value, 5) for key, value in seconds.items()},
-            "ratio": round(seconds["draft"] / seconds["target"], 4), "context": context, "threads": 1}
-
-
-def median_seconds(run, repeats: int) -> float:
-    run()  # warm up
-    times = []
-    for _ in range(repeats):
-        mark = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - mark)
-    return statistics.median(times)
 
 
 # The whole run.
@@ -385,11 +250,6 @@ def target_answers(checkpoint, settings: FeatureDraftSettings, layers: tuple[int
 def encoded_prompts(tokenizer, settings: FeatureDraftSettings, held_out: bool) -> list[list[int]]:
     count = settings.held_out_prompts if held_out else settings.train_prompts
     return [encode_prompt(tokenizer, p) for p in prompt_set(count, settings.chat_share, held_out, settings.seed)]
-
-
-def head_decode_cost(head: FeatureHead) -> int:
-    """Weights read per drafting step: everything but the shared embedding (a lookup)."""
-    return sum(p.numel() for p in head.parameters())
 
 
 def save_draft_folder(head: FeatureHead, target_dir: Path, out: Path, report: dict) -> None:

@@ -238,22 +238,11 @@ class CostCurve:
         self._level_list = self._rising = None
 
     def _levels(self) -> list[tuple[float, float]]:
-        """Each calibrated size's seconds times its factor (`factor`): both lists sorted, so
-        one walk along the factors serves every size (read after every measurement)."""
+        """Each calibrated size's seconds times its factor (`factor`, the list read once),
+        kept until a measurement moves them."""
         if self._level_list is None:
             factors = list(self.factors.items())
-            levels, above = [], 0  # factors[above]: the first factor at or above the size
-            for size, seconds in self.points.items():
-                while above < len(factors) and factors[above][0] < size:
-                    above += 1
-                if not factors:
-                    factor = 1.0
-                elif above == 0 or above == len(factors):  # before the first, or past the last
-                    factor = factors[min(above, len(factors) - 1)][1]
-                else:
-                    factor = on_line(factors[above - 1], factors[above], size)
-                levels.append((size, seconds * factor))
-            self._level_list = levels
+            self._level_list = [(size, seconds * factor_in(factors, size)) for size, seconds in self.points.items()]
         return self._level_list
 
     def _envelope(self) -> list[tuple[float, float]]:
