@@ -35,7 +35,7 @@ from saguaro.benchmarks.engine_suite import (
     run_suite,
 )
 from saguaro.benchmarks.placement import PLACEMENTS, placement_pipeline, unpin_this_thread
-from saguaro.runtime.arguments import DECODE_DEFAULTS, flag_type
+from saguaro.runtime.arguments import DECODE_DEFAULTS, add_draft_method_argument, flag_type
 from saguaro.runtime.core.options import DecodeOptions, parse_budget, parse_fanout
 from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.engines.manifest import read_manifest
@@ -61,6 +61,7 @@ def parse_args(argv=None):
     parser.add_argument("--target", type=Path, default=Path("models/bench/target"))
     parser.add_argument("--draft", type=Path, default=Path("models/bench/draft"))
     parser.add_argument("--engines", type=Path)
+    add_draft_method_argument(parser)
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=DECODE_DEFAULTS.num_draft_tokens)
     parser.add_argument("--fanout", type=flag_type(parse_fanout), default=DECODE_DEFAULTS.fanout)
     parser.add_argument("--budget", type=flag_type(parse_budget), help="B, or 'auto'")
@@ -203,8 +204,8 @@ def round_costs(args, pipeline, k: int, branches: int) -> dict:
 
 
 def run_modes(args) -> dict:
-    pipeline = Pipeline.load(engines=args.engines) if args.engines else Pipeline.load(target=args.target,
-                                                                                      draft=args.draft)
+    pipeline = Pipeline.load(target=args.target, draft=args.draft, engines=args.engines,
+                             draft_method=args.draft_method)
     k = args.num_draft_tokens
     branch_options = dict(fanout=args.fanout, budget=args.budget)
     branches = DecodeOptions(num_draft_tokens=k, **branch_options).fanout_policy().max_branches

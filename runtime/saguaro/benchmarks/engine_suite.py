@@ -211,11 +211,14 @@ def measure_pair(report: SuiteReport, target, draft, precision: str, threads: in
     """Both engines' costs (with their files' bytes when they come from `engine_dir`),
     added to `report` with the budget that hides at each context."""
     fitting = fitting_contexts(target.info.max_context, contexts, max(report.k + 1, *branches))
-    measured = [engine_costs(engine, role, precision, threads, report.k, fitting, branches, prefill, repeats)
-                for role, engine in (("target", target), ("draft", draft))]
+    engines = (("target", target), ("draft", draft))
+    # a draft of host Python (the n-gram draft) has no precision and no files in the folder
+    measured = [engine_costs(engine, role, engine.info.backend if engine.info.on_host else precision, threads,
+                             report.k, fitting, branches, prefill, repeats) for role, engine in engines]
     if engine_dir is not None:
         manifest = read_manifest(engine_dir)
-        measured = [with_files(costs, engine_dir, manifest) for costs in measured]
+        measured = [costs if engine.info.on_host else with_files(costs, engine_dir, manifest)
+                    for costs, (_, engine) in zip(measured, engines)]
     report.engines += measured
     report.hidden_branches[threads] = hidden_by_context(measured[0].contexts, measured[1].contexts, report.k)
     return measured

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from saguaro.runtime.core.options import MODES, DecodeOptions, parse_budget, parse_fanout
+from saguaro.runtime.core.options import DRAFT_METHODS, MODES, DecodeOptions, parse_budget, parse_fanout
 from saguaro.runtime.core.sampling import SamplingParams
 
 DECODE_DEFAULTS = DecodeOptions()
@@ -55,6 +55,14 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, defaults: DecodeOpti
                             help="draft K tokens every round instead of letting the load policy choose "
                                  "K (up to --num-draft-tokens) from measured costs and acceptance; a sampled "
                                  "request's --seed replays exactly with K fixed")
+
+
+def add_draft_method_argument(parser) -> None:
+    """--draft-method: the engines' draft model, or n-gram matching (no draft model)."""
+    parser.add_argument("--draft-method", choices=DRAFT_METHODS, default=DRAFT_METHODS[0],
+                        help="'model': the draft the engine folder or --draft holds; 'ngram': propose the "
+                             "tokens that followed the latest earlier occurrence of the last 1-4 tokens "
+                             "in the sequence itself (prompt lookup: no draft model, no draft forwards)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

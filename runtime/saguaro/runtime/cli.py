@@ -26,6 +26,7 @@ from pathlib import Path
 from saguaro.runtime.arguments import (
     DECODE_DEFAULTS,
     add_decoding_arguments,
+    add_draft_method_argument,
     add_sampling_arguments,
     decode_options,
     sampling_params,
@@ -46,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     source.add_argument("--target", type=Path, default=DEFAULT_MODELS / "target")
     source.add_argument("--draft", type=Path, default=DEFAULT_MODELS / "draft")
     source.add_argument("--engines", type=Path, help="a folder made by scripts/build_engines.py")
+    add_draft_method_argument(source)
     add_decoding_arguments(parser)
     parser.add_argument("--prompt", action="append", help=f"repeat to decode several together "
                                                              f"(default {DEFAULT_PROMPT!r})")
@@ -129,9 +131,11 @@ def main(argv=None) -> int:
         options = decode_options(args, max_tokens=args.max_tokens)
         sampling = sampling_params(args)
         if args.engines is not None:
-            pipeline = Pipeline.load(engines=args.engines, threads=args.threads, options=options)
+            pipeline = Pipeline.load(engines=args.engines, threads=args.threads, options=options,
+                                     draft_method=args.draft_method)
         else:
-            pipeline = Pipeline.load(target=args.target, draft=args.draft, threads=args.threads)
+            pipeline = Pipeline.load(target=args.target, draft=args.draft, threads=args.threads,
+                                     draft_method=args.draft_method)
         if args.system and not args.chat:
             raise ValueError("--system needs --chat")
         prompts = [pipeline.encode_chat(prompt, args.system) if args.chat else pipeline.encode(prompt)

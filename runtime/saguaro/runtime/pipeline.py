@@ -15,29 +15,32 @@ from pathlib import Path
 import torch
 
 from saguaro.runtime.core.contracts import Engine, RequestTarget
-from saguaro.runtime.core.options import DecodeOptions, LimitError, check_engine_limits
+from saguaro.runtime.core.options import DRAFT_METHODS, DecodeOptions, LimitError, check_engine_limits
 from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.decoding import tensorrt_llm_loop
 from saguaro.runtime.decoding.decoder import Cancelled, Decoder, Generation, OnStart, OnTokens, Request
 from saguaro.runtime.decoding.scheduler import Scheduler
 from saguaro.runtime.engines import REQUEST_LEVEL_BACKENDS, load_engine_tokenizer, open_engine
 from saguaro.runtime.engines.manifest import validate_engine_dir
+from saguaro.runtime.engines.ngram_draft import NgramDraft
 from saguaro.runtime.engines.torch_engine import TorchEngine, torch_draft
 from saguaro.runtime.models.checkpoint import check_pair_compatible
 from saguaro.runtime.models.prompts import PromptError, chat_messages, encode_chat, encode_text
 
 
-def open_engine_folder(engine_dir: Path):
-    """`(target, draft)` of a built engine folder, validated first. The loop is chosen here,
-    once: a backend whose target decodes whole requests (TensorRT-LLM) gets its request
-    loop as the target; every other target is an engine the decoding round drives."""
+def open_engine_folder(engine_dir: Path, with_draft: bool = True):
+    """`(target, draft)` of a built engine folder, validated first (the draft None unless
+    `with_draft`). The loop is chosen here, once: a backend whose target decodes whole
+    requests (TensorRT-LLM) gets its request loop as the target; every other target is an
+    engine the decoding round drives."""
     manifest = validate_engine_dir(engine_dir)
     tokenizer = load_engine_tokenizer(engine_dir, manifest)
     if manifest["backend"] in REQUEST_LEVEL_BACKENDS:
         target = tensorrt_llm_loop.open_target(engine_dir, manifest, tokenizer)
     else:
         target = open_engine(engine_dir, manifest, "target", tokenizer)
-    return target, open_engine(engine_dir, manifest, "draft", tokenizer)
+    return target, open_engine(engine_dir, manifest, "draft", tokenizer) if with_draft else None
+
 
 
 class RequestError(ValueError):
@@ -130,24 +133,33 @@ class Pipeline:
     @classmethod
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None,
              engines: str | Path | None = None, threads: int | None = 1,
-             options: DecodeOptions | None = None, **scheduling) -> "Pipeline":
+             options: DecodeOptions | None = None, draft_method: str = DRAFT_METHODS[0],
+             **scheduling) -> "Pipeline":
         """Checkpoint folders (`target` and `draft`, a checkpoint or a feature draft's
-        head) or a built engine folder (`engines`).
+        head) or a built engine folder (`engines`). `draft_method` "ngram" drafts by n-gram
+        matching over each sequence's own tokens instead (no draft model is loaded, and
+        `draft` is not needed).
 
         `threads` sets torch's intra-op threads: the target and the draft each run on one
         core, so a second thread each would oversubscribe a 2-core machine. `options`
         starts a request-level target (TensorRT-LLM) with those decoding knobs now rather
         than at the first request. `scheduling`: `batching`, `max_concurrency`.
         """
+        if draft_method not in DRAFT_METHODS:
+            raise RequestError(f"draft method must be one of {', '.join(DRAFT_METHODS)}; got {draft_method!r}")
+        by_model = draft_method == "model"
         if threads:
             torch.set_num_threads(threads)
         if engines is not None:
-            target_engine, draft_engine = open_engine_folder(Path(engines))
-        elif target is not None and draft is not None:
+            target_engine, draft_engine = open_engine_folder(Path(engines), with_draft=by_model)
+        elif target is not None and (draft is not None or not by_model):
             target_engine = TorchEngine(target)
-            draft_engine = torch_draft(draft, target_engine)
+            draft_engine = None if draft is None or not by_model else torch_draft(draft, target_engine)
         else:
-            raise RequestError("give either an engine folder or both target and draft checkpoints")
+            raise RequestError("give either an engine folder or both target and draft checkpoints (a target alone "
+                               "with draft_method 'ngram')")
+        if draft_engine is None:
+            draft_engine = NgramDraft(target_engine)
         check_pair_compatible(target_engine.info.vocab_size, draft_engine.info.vocab_size,
                               target_engine.info.tokenizer_fingerprint,
                               draft_engine.info.tokenizer_fingerprint)

@@ -89,6 +89,10 @@ class EngineInfo:
     # A draft's acceptance by depth measured on held-out prompts when it was made
     # (`checkpoint.measured_acceptance`): where the load policy starts; empty: unknown
     acceptance: tuple[float, ...] = ()
+    # A draft whose steps are a little host Python, not forwards (the n-gram draft): its
+    # ordinary drafts run in the decoding thread, since handing them to the draft's worker
+    # thread costs more than they do
+    on_host: bool = False
 
     @property
     def eos_token_id(self) -> int | None:
@@ -145,6 +149,9 @@ class Rows(NamedTuple):
 
     logits: torch.Tensor                # [n, V]; [1, V] for a `last_only` step, where the engine scores it alone
     hidden: torch.Tensor | None = None  # [n, features]
+    # False: the draft has nothing to propose after the step's last row (an n-gram draft
+    # that found no match), so drafting stops there; a model always proposes
+    proposes: bool = True
 
 
 @dataclass

@@ -13,6 +13,9 @@ from saguaro.runtime.control.budget import OnlineBudget, StaticFanout
 from saguaro.runtime.core.sampling import SaguaroSampling, SamplingParams
 
 MODES = ("autoregressive", "speculative", "ssd")
+# what drafts: the engine folder's or checkpoint's draft model | n-gram matching over the
+# sequence's own tokens (`engines.ngram_draft`: no draft model)
+DRAFT_METHODS = ("model", "ngram")
 DEFAULT_FANOUT = (3,)  # the official code's static default: 3 candidates at every depth
 AUTO_BUDGET_CAP = 16   # budget "auto": the load policy sizes B each round, up to 16 (or the engines' built maximum)
 

@@ -338,6 +338,13 @@ class Decoder:
             sequence.stats.prespeculate_s += elapsed.seconds
         return speculations
 
+    def _draft_runner(self):
+        """How ordinary drafts run: in the draft's worker thread (on the draft's core), or
+        here for a draft of host Python (`EngineInfo.on_host`)."""
+        if self.draft.info.on_host:
+            return lambda function, *args: function(*args)
+        return lambda function, *args: self.worker.submit(function, *args).result()
+
     def draft_misses(self, batch: list[Sequence]) -> tuple[float, tuple[int, int, float, float] | None, bool]:
         """Ordinary drafts, in the worker, before the round's verification, for the
         sequences that draft this round and have no draft. Returns the time it took, for
@@ -353,13 +360,13 @@ class Decoder:
             return 0.0, None, False
         behind = [s for s in needing if s.drafter.lag(s.out.ids) > s.plan.draft_tokens + 1]
         forwards: list[float] = []
+        run = self._draft_runner()
         with stopwatch() as drafting:
             if behind:
-                self.worker.submit(lockstep, self.draft, [s.drafter.catch_up(s.out.ids[:-1])  # all but the newest
-                                                          for s in behind]).result()
+                run(lockstep, self.draft, [s.drafter.catch_up(s.out.ids[:-1]) for s in behind])  # all but the newest
             with stopwatch() as stepping:
-                drafts = self.worker.submit(lockstep, self.draft, [s.drafter.draft(s.out.ids, s.plan.draft_tokens)
-                                                                for s in needing], forwards).result()
+                drafts = run(lockstep, self.draft, [s.drafter.draft(s.out.ids, s.plan.draft_tokens) for s in needing],
+                             forwards)
         for sequence, draft in zip(needing, drafts):
             sequence.proposal = draft
             sequence.stats.draft_s += drafting.seconds

@@ -125,7 +125,7 @@ class Speculator:
         positions = torch.arange(first_position, first_position + len(tokens))
         rows = yield Step(self.cache, torch.tensor(tokens), positions, hidden=hidden, last_only=True)
         self.cached.extend(tokens)
-        return Rows(rows.logits[-1], None if rows.hidden is None else rows.hidden[-1])
+        return Rows(rows.logits[-1], None if rows.hidden is None else rows.hidden[-1], rows.proposes)
 
     def _keep(self, length: int) -> None:
         self.cache.truncate(length)
@@ -165,18 +165,23 @@ class Speculator:
 
     def draft(self, ids: list[int], k: int) -> Forwards[Draft]:
         """Ordinary drafting: k tokens from `ids`, one forward each (the last not fed); a
-        feature draft feeds each token with its own feature of the row before."""
+        feature draft feeds each token with its own feature of the row before. Fewer where
+        the draft stops proposing (`Rows.proposes`), none if it proposes nothing."""
         if k == 0:
             return empty_draft(self.engine.info.vocab_size, self.sampling)
         rows = yield from self._sync(ids)
         tokens, probs, drafted_from = [], [], []
         for step in range(k):
+            if not rows.proposes:
+                break
             token, q = pick_tokens(rows.logits, self.sampling, self.saguaro, torch.tensor(len(ids) + step))
             tokens.append(int(token))
             probs.append(q)
             drafted_from.append(rows)
             if step < k - 1:
                 rows = yield from self._feed([tokens[-1]], len(ids) + step, own_feature(rows))
+        if not tokens:
+            return empty_draft(self.engine.info.vocab_size, self.sampling)
         # present where read: each q when sampling, each row's hidden from a feature draft
         hidden = None if self.features is None else torch.stack(cast("list[torch.Tensor]", [r.hidden for r in drafted_from]))
         return Draft(torch.tensor(tokens), None if self.sampling.greedy else torch.stack(cast("list[torch.Tensor]", probs)),

@@ -90,11 +90,11 @@ class TorchEngine(OneSequenceForms):
 
     def verify_batch(self, steps: Sequence[VerifyStep]) -> list[VerifyResult]:
         outcomes = []
-        for (logits, hidden), item in zip(self.forward_rows([item.step for item in steps]), steps):
+        for rows, item in zip(self.forward_rows([item.step for item in steps]), steps):
             s = item.sampling
-            accepted, bonus = fused_verify(logits, item.draft_tokens, item.draft_probs, item.uniforms,
+            accepted, bonus = fused_verify(rows.logits, item.draft_tokens, item.draft_probs, item.uniforms,
                                            s.temperature, s.top_k, s.top_p)
-            outcomes.append(verify_result(int(accepted), int(bonus), logits, item, hidden))
+            outcomes.append(verify_result(int(accepted), int(bonus), rows.logits, item, rows.hidden))
         return outcomes
 
     def plan_branches(self, scores, draft_tokens, fanout, context_length):
