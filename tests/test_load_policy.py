@@ -251,6 +251,33 @@ def test_a_request_whose_drafts_are_rejected_drafts_less():
     assert bad.draft_tokens < good.draft_tokens
 
 
+def test_a_draft_that_stops_short_is_priced_for_what_it_proposes():
+    """An n-gram draft asked for 4 tokens proposes none in most rounds: the round verifies
+    only what was proposed, and counts as accepted only what was proposed and accepted."""
+    counts = Acceptance()
+    for _ in range(30):
+        counts.record(0, 0, asked=4)    # nothing matched
+    for _ in range(10):
+        counts.record(2, 2, asked=3)    # two proposed and accepted, then nothing matched
+    counts.record(4, 1, asked=4)        # a whole draft; the second token rejected
+    rates = counts.proposal_rates(4)
+    assert rates[0] == pytest.approx((11 + 8) / (41 + 8))  # proposed at depth 1 in 11 rounds of 41
+    assert rates[2] == pytest.approx((1 + 8) / (11 + 8))   # at depth 3 in 1 of the 11 that reached it
+    assert Acceptance().proposal_rates(2) == [1.0, 1.0]     # a model proposes every token asked
+
+    policy = policy_with(measured(0.004, 0.0004), measured(0.0003, 0.00002), acceptance=0.6)
+    stopping = FakeSequence(acceptance=counts)
+    model, ngram = policy._candidate(FakeSequence()), policy._candidate(stopping)
+    assert model.verified_tokens(4) == 5
+    assert 1 < ngram.verified_tokens(4) < model.verified_tokens(4) / 2
+    assert ngram.expected_tokens(4) < model.expected_tokens(4)
+    price = policy.price
+    assert price.modelled_seconds([ngram], [4]) < price.modelled_seconds([model], [4])
+    # the same drafting priced, a verification the expected proposals narrower
+    assert price.modelled_seconds([model], [4]) - price.modelled_seconds([ngram], [4]) == pytest.approx(
+        (model.verified_tokens(4) - ngram.verified_tokens(4)) * 0.0004, rel=0.05)
+
+
 def test_a_draft_that_must_first_feed_a_long_lag_drafts_only_where_the_rounds_left_repay_it():
     """A draft cache that lacks 300 committed tokens (a prompt it never fed, a long stretch
     at K = 0) feeds them before its first draft step, on the round's critical path: paid

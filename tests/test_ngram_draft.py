@@ -79,6 +79,9 @@ def test_greedy_output_is_the_targets_and_repeats_are_accepted(ngram_pipeline, m
     drafted = ngram_pipeline.generate(prompt, options, SamplingParams())
     assert drafted.output_ids == alone.output_ids
     assert drafted.stats.accepted_tokens > 0, "no n-gram draft was accepted: the exactness check tested nothing"
+    # the load policy learns how often the draft proposes: rounds it stopped short are counted
+    shared = ngram_pipeline.schedulers[0].decoder.load_policy.shared[True]
+    assert 0 < sum(shared.proposed) < sum(shared.asked)
 
 
 @pytest.fixture(scope="module")

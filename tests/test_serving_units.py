@@ -681,6 +681,20 @@ def test_checkpoints_fill_the_templates_too(tiny_pair, tmp_path):
     assert (ssd["default_decoding_mode"], ssd["default_fanout"], ssd["default_budget"]) == ("speculative", "2", "")
 
 
+def test_the_ngram_draft_method_reaches_the_model_config_and_needs_no_draft(tiny_engines, tiny_pair, tmp_path):
+    engines = parse_args(["--engines", str(tiny_engines), "--draft-method", "ngram"])
+    ssd = parameters_in(prepare_model_repo(tmp_path / "a", values_from_args(engines)) / "ssd" / "config.pbtxt")
+    assert ssd["draft_method"] == "ngram"
+    target_alone = parse_args(["--target", str(tiny_pair / "target"), "--draft-method", "ngram"])
+    ssd = parameters_in(prepare_model_repo(tmp_path / "b", values_from_args(target_alone)) / "ssd" / "config.pbtxt")
+    assert (ssd["draft_method"], ssd["draft_dir"]) == ("ngram", "")
+    with pytest.raises(ValueError, match="--draft: --draft-method ngram uses no draft model"):
+        values_from_args(parse_args(["--target", str(tiny_pair / "target"), "--draft", str(tiny_pair / "draft"),
+                                     "--draft-method", "ngram"]))
+    with pytest.raises(ValueError, match="both --target DIR and --draft DIR"):
+        values_from_args(parse_args(["--target", str(tiny_pair / "target")]))
+
+
 def test_knobs_beyond_the_engines_limits_are_refused(tiny_engines):
     with pytest.raises(ValueError, match="--num-draft-tokens: 99 draft tokens exceed the engines. built maximum"):
         values_from_args(parse_args(["--engines", str(tiny_engines), "--num-draft-tokens", "99"]))

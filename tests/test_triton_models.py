@@ -139,6 +139,25 @@ def test_a_streamed_request_sends_each_round_then_a_final_response(ssd, long_pai
     assert len(ids) == 1, "every response of a generation carries its one id"
 
 
+def test_an_ngram_drafting_model_loads_no_draft_and_answers_as_the_target(ssd_module, long_pair, monkeypatch):
+    monkeypatch.setenv(CONTROL_TOKEN_ENV, TOKEN)
+    model = ssd_module.TritonPythonModel()
+    model.initialize(fake_triton.model_args("ssd", ssd_parameters(long_pair, draft_dir="", draft_method="ngram",
+                                                                  default_decoding_mode="speculative")))
+    try:
+        assert model.pipeline.draft.info.backend == "ngram"
+        prompt = [1, 7, 9, 11, 1, 7, 9]  # "1 7 9" repeats: the draft has something to propose
+        request = generation_request(prompt, 12, num_draft_tokens=np.int32(4))
+        model.execute([request])
+        responses = wait_final(request)
+        alone = Pipeline.load(target=long_pair / "target", draft=long_pair / "draft").generate(
+            prompt, DecodeOptions(mode="autoregressive", max_tokens=12), SamplingParams())
+        assert output_ids(responses) == alone.output_ids
+    finally:
+        model.finalize()
+        gc.unfreeze()
+
+
 def test_a_batched_request_answers_each_prompt_with_its_batch_index_and_closes_once(ssd, long_pair):
     """tensorrtllm_backend's batched requests: prompts padded to the longest (input_lengths
     says each one's length), one response per prompt and round, FINAL once, after the last."""

@@ -46,9 +46,11 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 def load_pipeline(parameters: dict):
     scheduling = dict(batching=parameters.get("batching") or "iteration",
                       max_concurrency=int(parameters.get("max_concurrency") or 0) or None)
+    draft_method = parameters.get("draft_method") or "model"
     if parameters.get("engines_dir"):
-        return Pipeline.load(engines=parameters["engines_dir"], **scheduling)
-    return Pipeline.load(target=parameters["target_dir"], draft=parameters["draft_dir"], **scheduling)
+        return Pipeline.load(engines=parameters["engines_dir"], draft_method=draft_method, **scheduling)
+    return Pipeline.load(target=parameters["target_dir"], draft=parameters.get("draft_dir") or None,
+                         draft_method=draft_method, **scheduling)
 
 
 def send_error(sender, message: str, code) -> None:

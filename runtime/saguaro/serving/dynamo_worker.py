@@ -395,7 +395,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS", json.dumps([args.endpoint]))
     configure_dynamo_logging()
     pipeline = Pipeline.load(engines=source.engines_dir, target=source.target_dir, draft=source.draft_dir,
-                             batching=args.batching, max_concurrency=args.max_concurrency)
+                             draft_method=source.draft_method, batching=args.batching,
+                             max_concurrency=args.max_concurrency)
     info = cast(Any, pipeline.target).info  # an Engine's (Pipeline types it object)
     freeze_loaded_heap()  # the worker serves until it stops
     try:

@@ -17,13 +17,13 @@ import argparse
 import re
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast
 
-from saguaro.runtime.arguments import DECODE_DEFAULTS, add_decoding_arguments
+from saguaro.runtime.arguments import DECODE_DEFAULTS, add_decoding_arguments, add_draft_method_argument
 from saguaro.runtime.control.calibration import calibration_from_manifest
-from saguaro.runtime.core.options import DecodeOptions, check_engine_limits, hidden_branch_options
+from saguaro.runtime.core.options import DRAFT_METHODS, DecodeOptions, check_engine_limits, hidden_branch_options
 from saguaro.runtime.engines.manifest import read_manifest
 from saguaro.runtime.engines.torch_engine import DEFAULT_MAX_CONTEXT as TORCH_MAX_CONTEXT
 from saguaro.runtime.models.checkpoint import llama_shape, read_config
@@ -62,6 +62,7 @@ class ModelSource:
     max_draft_tokens: int | None = None  # None: checkpoints have no built limit
     max_branches: int | None = None
     hidden_branches: tuple[int, ...] | None = None  # by K: what pre-speculation hides (measured at build)
+    draft_method: str = DRAFT_METHODS[0]  # "ngram": no draft model (`draft_dir` None with checkpoints)
 
 
 def source_from_engines(engines_dir: Path) -> ModelSource:
@@ -81,11 +82,14 @@ def hidden_by_k(manifest: dict) -> tuple[int, ...] | None:
     return None if calibration is None else calibration.hidden_by_k(build["max_draft_tokens"], build["max_branches"])
 
 
-def source_from_checkpoints(target_dir: Path, draft_dir: Path) -> ModelSource:
-    """Raises CheckpointError naming the folder that is not a checkpoint."""
-    target_dir, draft_dir = Path(target_dir).resolve(), Path(draft_dir).resolve()
+def source_from_checkpoints(target_dir: Path, draft_dir: Path | None) -> ModelSource:
+    """Raises CheckpointError naming the folder that is not a checkpoint (`draft_dir` None:
+    no draft model, for the n-gram draft)."""
+    target_dir = Path(target_dir).resolve()
     config = read_config(target_dir)
-    read_config(draft_dir)
+    if draft_dir is not None:
+        draft_dir = Path(draft_dir).resolve()
+        read_config(draft_dir)
     positions = llama_shape(config, str(target_dir)).max_position_embeddings
     return ModelSource(tokenizer_dir=target_dir, max_context=min(positions, TORCH_MAX_CONTEXT),
                        target_dir=target_dir, draft_dir=draft_dir)
@@ -121,7 +125,8 @@ def template_values(source: ModelSource, options: DecodeOptions, max_concurrency
         return "" if value is None else str(value)
 
     return {"engines_dir": text(source.engines_dir), "target_dir": text(source.target_dir),
-            "draft_dir": text(source.draft_dir), "tokenizer_dir": str(source.tokenizer_dir),
+            "draft_dir": text(source.draft_dir), "draft_method": source.draft_method,
+            "tokenizer_dir": str(source.tokenizer_dir),
             "max_context": str(source.max_context),
             "default_decoding_mode": options.mode,
             "default_num_draft_tokens": str(options.num_draft_tokens),
@@ -174,6 +179,7 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--engines", type=Path, help="a folder made by scripts/build_engines.py")
     source.add_argument("--target", type=Path, help="target Hugging Face checkpoint folder")
     source.add_argument("--draft", type=Path, help="draft Hugging Face checkpoint folder")
+    add_draft_method_argument(source)
     knobs = parser.add_argument_group("what a request gets for the SSD knobs it leaves out "
                                       "(K and the fan-out are capped by the engines' limits)")
     # a group takes the same add_argument calls as the parser add_decoding_arguments is typed for
@@ -202,13 +208,19 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
 
 def source_from_args(args: argparse.Namespace) -> ModelSource:
     """The models `add_source_arguments`' flags name; ValueError names the flag at fault."""
+    by_model = args.draft_method == DRAFT_METHODS[0]
     if args.engines is not None:
         if args.target or args.draft:
             raise ValueError("give --engines or --target/--draft, not both")
-        return source_from_engines(args.engines)
-    if args.target is not None and args.draft is not None:
-        return source_from_checkpoints(args.target, args.draft)
-    raise ValueError("give --engines DIR, or both --target DIR and --draft DIR")
+        source = source_from_engines(args.engines)
+    elif args.target is not None and (args.draft is not None or not by_model):
+        if args.draft is not None and not by_model:
+            raise ValueError(f"--draft: --draft-method {args.draft_method} uses no draft model; leave --draft out")
+        source = source_from_checkpoints(args.target, args.draft)
+    else:
+        raise ValueError("give --engines DIR, or both --target DIR and --draft DIR (--target alone with "
+                         "--draft-method ngram)")
+    return replace(source, draft_method=args.draft_method)
 
 
 def values_from_args(args: argparse.Namespace) -> dict[str, str]:

@@ -123,7 +123,8 @@ class LoadPolicy:
         if report.prespeculation is not None:
             price.observe_prespeculation(*report.prespeculation)
         for sequence in report.sequences:
-            self.record_round(sequence.acceptance, sequence.greedy, sequence.verified, sequence.accepted)
+            self.record_round(sequence.acceptance, sequence.greedy, sequence.verified, sequence.accepted,
+                              sequence.asked)
             if sequence.hit is not None:
                 self.record_lookup(sequence.acceptance, sequence.greedy, sequence.hit)
         price.observe_host(report.requests, report.host_s, report.drafted, report.prespeculation is not None)
@@ -156,9 +157,10 @@ class LoadPolicy:
         self.probe_cost = added_s if cost is None else PROBE_COST_FADING * cost + (1 - PROBE_COST_FADING) * added_s
         self.probe_spacing = max(PROBE_PERIOD, math.ceil(self.probe_cost / (PROBE_SHARE * max(round_s, 1e-9))))
 
-    def record_round(self, own: Acceptance, greedy: bool, verified: int, accepted: int) -> None:
+    def record_round(self, own: Acceptance, greedy: bool, verified: int, accepted: int,
+                     asked: int | None = None) -> None:
         for counts in (own, self.shared[greedy]):
-            counts.record(verified, accepted)
+            counts.record(verified, accepted, asked)
 
     def record_lookup(self, own: Acceptance, greedy: bool, hit: bool) -> None:
         for counts in (own, self.shared[greedy]):
@@ -345,12 +347,14 @@ class LoadPolicy:
     def _candidate(self, sequence) -> Candidate:
         shared = self.shared[sequence.greedy]
         shared_rates = shared.rates(sequence.k, self._measured_prior(sequence.k))
-        reach = reach_of(sequence.acceptance.rates(sequence.k, shared_rates))
-        hopeful = reach_of([max(rate, UNSEEN_ACCEPTANCE) for rate in shared_rates])
+        # a draft that may propose fewer than asked (n-gram): a depth counts where proposed
+        proposal = sequence.acceptance.proposal_rates(sequence.k, shared.proposal_rates(sequence.k))
+        reach = reach_of([rate * made for rate, made in zip(sequence.acceptance.rates(sequence.k, shared_rates), proposal)])
+        hopeful = reach_of([max(rate, UNSEEN_ACCEPTANCE) * made for rate, made in zip(shared_rates, proposal)])
         most = most_drafts(sequence)
         hit = sequence.acceptance.hit_rate(shared.hit_rate(self._unseen_hit_rate())) if sequence.prespeculating else 0.0
         return Candidate(most, sequence.adapts, sequence.steered, reach, hopeful, hit, sequence.prespeculating,
-                          sequence.draft_lag, sequence.room)
+                          sequence.draft_lag, sequence.room, reach_of(proposal))
 
     def _unseen_hit_rate(self) -> float:
         """Where a kind's hit rate starts: a pre-speculated branch is the outcome when the

@@ -1,7 +1,8 @@
 """What a round costs, as the load policy prices it (`control.load_policy`) from what the
 decoder measures as it runs:
 
-    verify(N)   one target verification over N tokens (N = sum of K_r + 1)
+    verify(N)   one target verification over N tokens (N = sum of K_r + 1; for a draft that
+                may propose fewer than asked, the n-gram draft, its expected proposals + 1)
     draft(R)    one step of ordinary drafting for R requests
     start(R)    what a round's ordinary drafting takes beyond its steps (its first, cold
                 forward; setting the drafts up): a + b R
@@ -11,7 +12,8 @@ decoder measures as it runs:
 
     alone(N)    verify(N) with nothing of the draft's beside it, on both cores (`run_alone`)
 
-    E_r(K)    = 1 + sum_{i=1..K} alpha_1 ... alpha_i      (alpha_j: P(accept depth j | j-1 accepted))
+    E_r(K)    = 1 + sum_{i=1..K} alpha_1 ... alpha_i      (alpha_j: P(accept depth j | j-1 accepted),
+                times P(the draft proposes depth j | it proposed j-1) for a draft that may stop)
     T(K)      = verify(sum K_r + 1) + host(n) + P(miss) * (start + max K_r * draft)(misses | miss)
                 + max(0, (max K_r + 1) * tree(branch rows) - verify)
                 + tree(L) / L * sum_r L_r / R_r(K_r)
@@ -33,7 +35,7 @@ measured rounds after that, old measurements fading.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from saguaro.runtime.control.costs import FOLLOWING, MOST_BRANCHES, CostCurve, LinearCost, Misprediction, hidden_branches
 from saguaro.runtime.control.sessions import SessionChoice
@@ -154,7 +156,7 @@ class RoundPrice:
         the verification, so the target verifies alone, on both cores (`alone_cost`)."""
         drafting = [(c, k) for c, k in zip(candidates, ks) if k]
         speculating = [k for c, k in drafting if c.prespeculating]
-        verify = self.verify_seconds(sum(k + 1 for k in ks), alone=not speculating)
+        verify = self.verify_seconds(verified_tokens(candidates, ks), alone=not speculating)
         host = self.host_seconds(len(candidates), drafting=bool(drafting), speculating=bool(speculating))
         if not drafting:
             return verify + host
@@ -196,7 +198,7 @@ class RoundPrice:
         per_row = self.tree_cost(rows) / rows
         return per_row * sum(extra / c.rounds_left(k) for c, k, extra in behind)
 
-    def verify_seconds(self, tokens: int, alone: bool) -> float:
+    def verify_seconds(self, tokens: float, alone: bool) -> float:
         """A verification of `tokens`; `alone`: with nothing of the draft's beside it, on
         the session such rounds use (`SessionChoice.wide`)."""
         if alone and self.sessions.wide(tokens) and self.alone_cost.known:
@@ -217,8 +219,14 @@ class RoundPrice:
         speculating = [k for c, k in zip(candidates, ks) if c.prespeculating and k]
         if not speculating:
             return 0
-        verify = self.verify_cost(sum(k + 1 for k in ks))
+        verify = self.verify_cost(verified_tokens(candidates, ks))
         return max(1, hidden_branches(verify, self.tree_cost, steps=max(speculating) + 1, requests=len(speculating)))
+
+
+def verified_tokens(candidates: list[Candidate], ks: list[int]) -> float:
+    """The tokens a round's verification is expected to take (N = sum of K_r + 1 for drafts
+    that propose every token asked)."""
+    return sum(c.verified_tokens(k) for c, k in zip(candidates, ks))
 
 
 def prespeculates(candidates: list[Candidate], ks: list[int]) -> bool:
@@ -241,9 +249,16 @@ class Candidate:
     prespeculating: bool
     lag: int = 0         # committed tokens its draft cache lacks (`Sequence.draft_lag`)
     room: int = 1 << 30  # output tokens it may still make
+    # proposing[i]: P(the draft proposes at least i tokens); empty: every token asked (a model)
+    proposing: list[float] = field(default_factory=list)
 
     def expected_tokens(self, k: int) -> float:
         return sum(self.reach[:k + 1])
+
+    def verified_tokens(self, k: int) -> float:
+        """Tokens a verification takes for it at K = `k`: its last token and the drafts
+        it is expected to propose."""
+        return 1 + (sum(self.proposing[1:k + 1]) if self.proposing else k)
 
     def rounds_left(self, k: int) -> float:
         """Rounds until its output is full, drafting `k` tokens a round."""

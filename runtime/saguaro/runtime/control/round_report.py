@@ -47,6 +47,7 @@ class SequenceRound:
     verified: int
     accepted: int
     hit: bool | None = None
+    asked: int | None = None  # drafts asked for that the draft could have proposed (None: `verified`)
 
 
 @dataclass

@@ -38,7 +38,7 @@ class SessionChoice:
         self._usual: tuple[int, float] | None = None       # the last usual round: tokens, seconds
         self._trial: tuple[int, float, bool, float | None] | None = None  # tokens, seconds, wide, before
 
-    def wide(self, tokens: int) -> bool:
+    def wide(self, tokens: float) -> bool:
         """Whether the rounds of `tokens` use the wide session: unless paired trials at the
         nearest width measured say the one-thread session is faster."""
         if not self.enabled:

@@ -260,6 +260,8 @@ class Draft:
     # a feature draft's own features at the rows the tokens were drafted from (row i: the
     # feature of the position before token i); None from other drafts
     hidden: torch.Tensor | None = None  # [K, hidden]
+    # the draft proposed nothing after these tokens, though asked for more (`Rows.proposes`)
+    stopped: bool = False
 
     def __len__(self) -> int:
         return self.tokens.shape[0]

@@ -119,6 +119,7 @@ class Sequence:
         self.greedy, self.acceptance = request.sampling.greedy, Acceptance()
         self.plan = Plan(self.k)  # the load policy's, each round
         self.verified = 0               # drafts the last round verified
+        self.asked = 0                  # ... and the drafts it asked for that the draft could have proposed
         self.started = time.perf_counter()
         if request.on_start is not None:
             request.on_start(self.stats)
@@ -196,6 +197,9 @@ class Sequence:
     def verification(self) -> VerifyStep:
         self.verified = self.round_draft_tokens
         assert self.proposal is not None  # as in `round_draft_tokens`
+        # a draft that stopped short of the round's K proposed nothing at the next depth
+        self.asked = self.verified + (self.proposal.stopped and self.verified == len(self.proposal)
+                                      and self.verified < min(self.plan.draft_tokens, self.out.room - 1))
         return self.verifier.round(self.out.ids, self.proposal, self.verified, self.request.logprobs is not None)
 
     def commit(self, outcome: VerifyResult, speculation: SpeculationCache | None) -> bool | None:
@@ -323,7 +327,8 @@ class Decoder:
             sequence.stats.wait_s += waiting.seconds
             verified = sequence.verified
             hit = sequence.commit(outcome, speculations.get(id(sequence)))
-            report.sequences.append(SequenceRound(sequence.acceptance, sequence.greedy, verified, outcome.accepted, hit))
+            report.sequences.append(SequenceRound(sequence.acceptance, sequence.greedy, verified, outcome.accepted, hit,
+                                                  sequence.asked))
         return report
 
     def prespeculate(self, batch: list[Sequence]) -> list[SpeculationCache]:

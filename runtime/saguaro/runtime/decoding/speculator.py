@@ -63,9 +63,9 @@ def lockstep(engine, coroutines: Sequence[Forwards], forward_seconds: list[float
     return results
 
 
-def empty_draft(vocab: int, sampling: SamplingParams) -> Draft:
+def empty_draft(vocab: int, sampling: SamplingParams, stopped: bool = False) -> Draft:
     return Draft(torch.empty(0, dtype=torch.int64), None if sampling.greedy else torch.empty(0, vocab),
-                 torch.empty(0, vocab))
+                 torch.empty(0, vocab), stopped=stopped)
 
 
 class DraftFeatures:
@@ -180,12 +180,13 @@ class Speculator:
             drafted_from.append(rows)
             if step < k - 1:
                 rows = yield from self._feed([tokens[-1]], len(ids) + step, own_feature(rows))
+        stopped = len(tokens) < k
         if not tokens:
-            return empty_draft(self.engine.info.vocab_size, self.sampling)
+            return empty_draft(self.engine.info.vocab_size, self.sampling, stopped)
         # present where read: each q when sampling, each row's hidden from a feature draft
         hidden = None if self.features is None else torch.stack(cast("list[torch.Tensor]", [r.hidden for r in drafted_from]))
         return Draft(torch.tensor(tokens), None if self.sampling.greedy else torch.stack(cast("list[torch.Tensor]", probs)),
-                     torch.stack([r.logits for r in drafted_from]), hidden)
+                     torch.stack([r.logits for r in drafted_from]), hidden, stopped)
 
     def prespeculate(self, ids: list[int], draft: Draft, fanout: torch.Tensor) -> Forwards[SpeculationCache]:
         """While the target verifies `draft` (K tokens): draft K tokens for each likely
