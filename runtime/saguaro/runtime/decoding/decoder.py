@@ -351,8 +351,9 @@ class Decoder:
         return lambda function, *args: self.worker.submit(function, *args).result()
 
     def draft_misses(self, batch: list[Sequence]) -> tuple[float, tuple[int, int, float, float] | None, bool]:
-        """Ordinary drafts, in the worker, before the round's verification, for the
-        sequences that draft this round and have no draft. Returns the time it took, for
+        """Ordinary drafts, in the worker (here, for a draft of host Python), before the
+        round's verification, for the sequences that draft this round and have no draft.
+        Returns the time it took, for
         the load policy `(requests, steps, seconds, seconds of the steps after the first)`
         of the draft steps, and whether some draft cache was first caught up. A draft cache
         that lacks more than the round's own tokens (a prompt, or the tokens of a stretch
