@@ -42,8 +42,9 @@ import tritonclient.grpc as grpcclient
 
 from saguaro.benchmarks.cpu_profile import server_processes, snapshot, spent
 from saguaro.benchmarks.figures import pyplot, save
-from saguaro.runtime.arguments import DECODE_DEFAULTS
+from saguaro.runtime.arguments import DECODE_DEFAULTS, add_draft_method_argument
 from saguaro.runtime.control.round_report import UNDRAFTED_REASONS
+from saguaro.runtime.core.options import DRAFT_METHODS
 from saguaro.runtime.models.prompts import PROMPTS
 from saguaro.serving.client import complete, ensemble_inputs, tensor
 from saguaro.serving.launch import parse_args as serve_args
@@ -209,9 +210,11 @@ def level_name(mode: Mode, path: str) -> str:
     return mode.name if path == PATHS[0] else f"{mode.name} ({path})"
 
 
-def serve_for(engines: Path, batching: str, run_dir: Path, max_concurrency: int | None):
-    """A server as `scripts/serve.py --engines ENGINES --batching BATCHING` starts it."""
-    flags = ["--engines", str(engines), "--batching", batching]
+def serve_for(engines: Path, batching: str, run_dir: Path, max_concurrency: int | None,
+              draft_method: str = DRAFT_METHODS[0]):
+    """A server as `scripts/serve.py --engines ENGINES --batching BATCHING --draft-method
+    METHOD` starts it."""
+    flags = ["--engines", str(engines), "--batching", batching, "--draft-method", draft_method]
     if max_concurrency is not None:
         flags += ["--max-concurrency", str(max_concurrency)]
     return serve(values_from_args(serve_args(flags)), run_dir, Ports.free())
@@ -237,7 +240,7 @@ def run_modes(args, modes: list[Mode], extra: dict, concurrency: tuple[int, ...]
     for batching in dict.fromkeys(mode.batching for mode in modes):
         with tempfile.TemporaryDirectory(prefix="saguaro-load-") as run_dir:
             print(f"[{label}] starting a server (batching {batching}) ...", flush=True)
-            with serve_for(args.engines, batching, Path(run_dir), args.max_concurrency) as server:
+            with serve_for(args.engines, batching, Path(run_dir), args.max_concurrency, args.draft_method) as server:
                 url = f"127.0.0.1:{server.ports.grpc}"
                 processes = server_processes(server.process.pid)
                 served = [(mode, path) for mode in modes if mode.batching == batching for path in args.paths]
@@ -358,6 +361,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench_serving.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", type=Path, required=True, help="a folder made by scripts/build_engines.py")
+    add_draft_method_argument(parser)
     parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)),
                         help="concurrent streams per level (default %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (end token ignored)")
