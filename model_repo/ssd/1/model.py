@@ -33,6 +33,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from saguaro.runtime.control.round_report import UNDRAFTED_REASONS
+from saguaro.runtime.core.options import DRAFT_METHODS
 from saguaro.runtime.pipeline import Pipeline, freeze_loaded_heap
 from saguaro.serving import lifecycle
 from saguaro.serving import metric_families
@@ -46,7 +47,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 def load_pipeline(parameters: dict):
     scheduling = dict(batching=parameters.get("batching") or "iteration",
                       max_concurrency=int(parameters.get("max_concurrency") or 0) or None)
-    draft_method = parameters.get("draft_method") or "model"
+    draft_method = parameters.get("draft_method") or DRAFT_METHODS[0]
     if parameters.get("engines_dir"):
         return Pipeline.load(engines=parameters["engines_dir"], draft_method=draft_method, **scheduling)
     return Pipeline.load(target=parameters["target_dir"], draft=parameters.get("draft_dir") or None,

@@ -343,12 +343,12 @@ class Decoder:
             sequence.stats.prespeculate_s += elapsed.seconds
         return speculations
 
-    def _draft_runner(self):
-        """How ordinary drafts run: in the draft's worker thread (on the draft's core), or
-        here for a draft of host Python (`EngineInfo.on_host`)."""
+    def _run_draft(self, function, *args):
+        """Ordinary drafting's forwards: in the draft's worker thread (on the draft's core),
+        or here for a draft of host Python (`EngineInfo.on_host`)."""
         if self.draft.info.on_host:
-            return lambda function, *args: function(*args)
-        return lambda function, *args: self.worker.submit(function, *args).result()
+            return function(*args)
+        return self.worker.submit(function, *args).result()
 
     def draft_misses(self, batch: list[Sequence]) -> tuple[float, tuple[int, int, float, float] | None, bool]:
         """Ordinary drafts, in the worker (here, for a draft of host Python), before the
@@ -366,7 +366,7 @@ class Decoder:
             return 0.0, None, False
         behind = [s for s in needing if s.drafter.lag(s.out.ids) > s.plan.draft_tokens + 1]
         forwards: list[float] = []
-        run = self._draft_runner()
+        run = self._run_draft
         with stopwatch() as drafting:
             if behind:
                 run(lockstep, self.draft, [s.drafter.catch_up(s.out.ids[:-1]) for s in behind])  # all but the newest

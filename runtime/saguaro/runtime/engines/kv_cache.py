@@ -69,6 +69,20 @@ def aligned_length(count: int, element_size: int, alignment: int = VIEW_ALIGNMEN
     return -(-count // per_block) * per_block
 
 
+def check_truncate(current: int, length: int) -> None:
+    """A cache of `current` entries may roll back to `length` (every cache's rule)."""
+    if not 0 <= length <= current:
+        raise ValueError(f"cannot truncate a cache of length {current} to {length}")
+
+
+def check_gather(current: int, start: int, source_indices) -> np.ndarray:
+    """A branch commit's sources within a cache of `current` entries; returns them as int64."""
+    sources = np.asarray(source_indices, dtype=np.int64)
+    if not 0 <= start <= current or (len(sources) and not 0 <= sources.min() <= sources.max() < current):
+        raise ValueError(f"gather({start}, {sources.tolist()}) is outside the cache's {current} entries")
+    return sources
+
+
 class PooledCache:
     """One sequence's cache: a slot of a `KVPool` and its live length."""
 
@@ -83,16 +97,13 @@ class PooledCache:
 
     def truncate(self, length: int) -> None:
         """Roll back: entries past `length` are dead and the next forward overwrites them."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        check_truncate(self.length, length)
         self.length = length
 
     def gather(self, start: int, source_indices: torch.Tensor) -> None:
         """Keep `[0, start)`, then the entries at `source_indices`, in order (a branch commit),
         in place. Sources lie at or after their destinations; the gather reads before it writes."""
-        sources = np.asarray(source_indices, dtype=np.int64)
-        if not 0 <= start <= self.length or (len(sources) and not 0 <= sources.min() <= sources.max() < self.length):
-            raise ValueError(f"gather({start}, {sources.tolist()}) is outside the cache's {self.length} entries")
+        sources = check_gather(self.length, start, source_indices)
         entries = self.pool.entries(self.slot)
         entries[..., start:start + len(sources), :] = entries[..., sources, :]
         self.length = start + len(sources)
@@ -150,8 +161,7 @@ class SlotKVCache:
         self._live, self.length = 1 - self._live, length
 
     def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        check_truncate(self.length, length)
         if length == self.length:
             return
         for source, target in zip(self.live(), self.spare(length)):
@@ -160,12 +170,9 @@ class SlotKVCache:
 
     def gather(self, start: int, source_indices: torch.Tensor) -> None:
         """Keep `[0, start)`, then the entries at `source_indices`, in order (a branch commit)."""
+        check_gather(self.length, start, source_indices)
         source_indices = torch.as_tensor(source_indices, dtype=torch.int64).contiguous()
         count = len(source_indices)
-        if not 0 <= start <= self.length or (count and not 0 <= int(source_indices.min())
-                                               <= int(source_indices.max()) < self.length):
-            raise ValueError(f"gather({start}, {source_indices.tolist()}) is outside the "
-                             f"cache's {self.length} entries")
         if self._gather_graph is not None:
             self._gather_graph(self.live(), start, source_indices, self.spare(start + count))
         else:

@@ -26,6 +26,7 @@ import torch
 
 from saguaro.plugins.branch_draft.reference import plan_branches
 from saguaro.runtime.core.contracts import EngineInfo, OneSequenceForms, Rows, Step
+from saguaro.runtime.engines.kv_cache import check_gather, check_truncate
 
 BACKEND = "ngram"
 DEFAULT_MAX_NGRAM = 4  # vLLM's prompt_lookup_max default is 5, TensorRT-LLM's max_matching_ngram_size 4
@@ -48,15 +49,12 @@ class TokenCache:
         return len(self.tokens)
 
     def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        check_truncate(self.length, length)
         self.length = length
 
     def gather(self, start: int, source_indices: torch.Tensor) -> None:
         """Keep `[0, start)`, then the entries at `source_indices`, in order (a branch commit)."""
-        sources = np.asarray(source_indices, np.int64)
-        if not 0 <= start <= self.length or (len(sources) and not 0 <= sources.min() <= sources.max() < self.length):
-            raise ValueError(f"gather({start}, {sources.tolist()}) is outside the cache's {self.length} entries")
+        sources = check_gather(self.length, start, source_indices)
         self.tokens[start:start + len(sources)] = self.tokens[sources]
         self.length = start + len(sources)
 
