@@ -113,7 +113,7 @@ def test_loading_needs_no_draft_model_and_names_a_bad_method(tiny_pair):
         assert loaded.draft.info.backend == "ngram" and loaded.draft.info.on_host
     finally:
         loaded.close()
-    with pytest.raises(RequestError, match="draft method must be one of model, ngram; got 'eagle'"):
+    with pytest.raises(RequestError, match="draft method must be one of model, ngram, ngram\\+model; got 'eagle'"):
         Pipeline.load(target=tiny_pair / "target", draft_method="eagle")
 
 

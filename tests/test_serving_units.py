@@ -695,6 +695,14 @@ def test_the_ngram_draft_method_reaches_the_model_config_and_needs_no_draft(tiny
         values_from_args(parse_args(["--target", str(tiny_pair / "target")]))
 
 
+def test_the_ngram_first_method_reaches_the_model_config_and_needs_the_draft(tiny_engines, tiny_pair, tmp_path):
+    engines = parse_args(["--engines", str(tiny_engines), "--draft-method", "ngram+model"])
+    ssd = parameters_in(prepare_model_repo(tmp_path / "a", values_from_args(engines)) / "ssd" / "config.pbtxt")
+    assert ssd["draft_method"] == "ngram+model"
+    with pytest.raises(ValueError, match="both --target DIR and --draft DIR"):
+        values_from_args(parse_args(["--target", str(tiny_pair / "target"), "--draft-method", "ngram+model"]))
+
+
 def test_knobs_beyond_the_engines_limits_are_refused(tiny_engines):
     with pytest.raises(ValueError, match="--num-draft-tokens: 99 draft tokens exceed the engines. built maximum"):
         values_from_args(parse_args(["--engines", str(tiny_engines), "--num-draft-tokens", "99"]))

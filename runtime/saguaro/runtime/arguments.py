@@ -61,8 +61,10 @@ def add_draft_method_argument(parser) -> None:
     """--draft-method: the engines' draft model, or n-gram matching (no draft model)."""
     parser.add_argument("--draft-method", choices=DRAFT_METHODS, default=DRAFT_METHODS[0],
                         help="'model': the draft the engine folder or --draft holds; 'ngram': propose the "
-                             "tokens that followed the latest earlier occurrence of the last 1-4 tokens "
-                             "in the sequence itself (prompt lookup: no draft model, no draft forwards)")
+                             "tokens that followed the latest earlier occurrence of the last 2-4 tokens "
+                             "in the sequence itself (prompt lookup: no draft model, no draft forwards); "
+                             "'ngram+model': those proposals where there are some, the draft model's "
+                             "tokens elsewhere")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

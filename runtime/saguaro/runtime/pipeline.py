@@ -9,23 +9,40 @@ from __future__ import annotations
 
 import gc
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from saguaro.runtime.core.contracts import Engine, RequestTarget
-from saguaro.runtime.core.options import DRAFT_METHODS, DecodeOptions, LimitError, check_engine_limits
+from saguaro.runtime.core.options import (
+    DRAFT_METHODS,
+    NO_MODEL_METHOD,
+    DecodeOptions,
+    LimitError,
+    check_engine_limits,
+    uses_draft_model,
+)
 from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.decoding import tensorrt_llm_loop
 from saguaro.runtime.decoding.decoder import Cancelled, Decoder, Generation, OnStart, OnTokens, Request
 from saguaro.runtime.decoding.scheduler import Scheduler
 from saguaro.runtime.engines import REQUEST_LEVEL_BACKENDS, load_engine_tokenizer, open_engine
 from saguaro.runtime.engines.manifest import validate_engine_dir
-from saguaro.runtime.engines.ngram_draft import NgramDraft
+from saguaro.runtime.engines.ngram_draft import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramDraft
 from saguaro.runtime.engines.torch_engine import TorchEngine, torch_draft
 from saguaro.runtime.models.checkpoint import check_pair_compatible
 from saguaro.runtime.models.prompts import PromptError, chat_messages, encode_chat, encode_text
+
+
+def method_draft(draft_method: str, target: Engine, model: Engine | None) -> Engine:
+    """The draft `draft_method` names, over the draft model `model` where it uses one."""
+    if draft_method == NO_MODEL_METHOD:
+        return NgramDraft(target)
+    assert model is not None  # loaded for every other method
+    if draft_method == "ngram+model":
+        model.info = replace(model.info, ngram_lead=(DEFAULT_MIN_NGRAM, DEFAULT_MAX_NGRAM))
+    return model
 
 
 def open_engine_folder(engine_dir: Path, with_draft: bool = True):
@@ -138,7 +155,8 @@ class Pipeline:
         """Checkpoint folders (`target` and `draft`, a checkpoint or a feature draft's
         head) or a built engine folder (`engines`). `draft_method` "ngram" drafts by n-gram
         matching over each sequence's own tokens instead (no draft model is loaded, and
-        `draft` is not needed).
+        `draft` is not needed); "ngram+model" drafts the matches where there are some and
+        the draft model's tokens elsewhere.
 
         `threads` sets torch's intra-op threads: the target and the draft each run on one
         core, so a second thread each would oversubscribe a 2-core machine. `options`
@@ -147,7 +165,7 @@ class Pipeline:
         """
         if draft_method not in DRAFT_METHODS:
             raise RequestError(f"draft method must be one of {', '.join(DRAFT_METHODS)}; got {draft_method!r}")
-        by_model = draft_method == "model"
+        by_model = uses_draft_model(draft_method)
         if threads:
             torch.set_num_threads(threads)
         if engines is not None:
@@ -157,9 +175,8 @@ class Pipeline:
             draft_engine = None if draft is None or not by_model else torch_draft(draft, target_engine)
         else:
             raise RequestError("give either an engine folder or both target and draft checkpoints (a target alone "
-                               "with draft_method 'ngram')")
-        if draft_engine is None:
-            draft_engine = NgramDraft(target_engine)
+                               f"with draft_method {NO_MODEL_METHOD!r})")
+        draft_engine = method_draft(draft_method, target_engine, draft_engine)
         check_pair_compatible(target_engine.info.vocab_size, draft_engine.info.vocab_size,
                               target_engine.info.tokenizer_fingerprint,
                               draft_engine.info.tokenizer_fingerprint)

@@ -23,7 +23,14 @@ from typing import cast
 
 from saguaro.runtime.arguments import DECODE_DEFAULTS, add_decoding_arguments, add_draft_method_argument
 from saguaro.runtime.control.calibration import calibration_from_manifest
-from saguaro.runtime.core.options import DRAFT_METHODS, DecodeOptions, check_engine_limits, hidden_branch_options
+from saguaro.runtime.core.options import (
+    DRAFT_METHODS,
+    NO_MODEL_METHOD,
+    DecodeOptions,
+    check_engine_limits,
+    hidden_branch_options,
+    uses_draft_model,
+)
 from saguaro.runtime.engines.manifest import read_manifest
 from saguaro.runtime.engines.torch_engine import DEFAULT_MAX_CONTEXT as TORCH_MAX_CONTEXT
 from saguaro.runtime.models.checkpoint import llama_shape, read_config
@@ -208,7 +215,7 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
 
 def source_from_args(args: argparse.Namespace) -> ModelSource:
     """The models `add_source_arguments`' flags name; ValueError names the flag at fault."""
-    by_model = args.draft_method == DRAFT_METHODS[0]
+    by_model = uses_draft_model(args.draft_method)
     if args.engines is not None:
         if args.target or args.draft:
             raise ValueError("give --engines or --target/--draft, not both")
@@ -219,7 +226,7 @@ def source_from_args(args: argparse.Namespace) -> ModelSource:
         source = source_from_checkpoints(args.target, args.draft)
     else:
         raise ValueError("give --engines DIR, or both --target DIR and --draft DIR (--target alone with "
-                         "--draft-method ngram)")
+                         f"--draft-method {NO_MODEL_METHOD})")
     return replace(source, draft_method=args.draft_method)
 
 

@@ -93,6 +93,10 @@ class EngineInfo:
     # ordinary drafts run in the decoding thread, since handing them to the draft's worker
     # thread costs more than they do
     on_host: bool = False
+    # A model draft's n-gram lead (draft method "ngram+model"): the smallest and largest n of
+    # the matches that draft a round alone, with no forward of the model, where one proposes
+    # its first token (`Speculator.match`); None: every round is the model's
+    ngram_lead: tuple[int, int] | None = None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -262,6 +266,9 @@ class Draft:
     hidden: torch.Tensor | None = None  # [K, hidden]
     # the draft proposed nothing after these tokens, though asked for more (`Rows.proposes`)
     stopped: bool = False
+    # proposed by n-gram matching alone (`EngineInfo.ngram_lead`): the draft model's cache did
+    # not move, so no branches are drafted from it
+    matched: bool = False
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -271,7 +278,7 @@ class Draft:
         if count == len(self):
             return self
         return Draft(self.tokens[:count], None if self.probs is None else self.probs[:count], self.logits[:count],
-                     None if self.hidden is None else self.hidden[:count])
+                     None if self.hidden is None else self.hidden[:count], matched=self.matched)
 
 
 @dataclass

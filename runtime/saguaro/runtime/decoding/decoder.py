@@ -187,12 +187,15 @@ class Sequence:
     @property
     def draft_lags(self) -> bool:
         """Drafts nothing this round and its draft cache lacks committed tokens."""
-        return self.speculator is not None and not self.plan.draft_tokens and self.speculator.lag(self.out.ids) > 0
+        return (self.speculator is not None and (not self.plan.draft_tokens or self.round_proposal.matched)
+                and self.speculator.lag(self.out.ids) > 0)
 
     @property
     def speculates(self) -> bool:
-        """Pre-speculates this round: an ssd sequence with drafts to verify."""
-        return self.prespeculating and self.plan.prespeculate and self.round_draft_tokens > 0
+        """Pre-speculates this round: an ssd sequence with drafts to verify that the draft
+        model drafted (not n-gram matches alone)."""
+        return (self.prespeculating and self.plan.prespeculate and self.round_draft_tokens > 0
+                and not self.round_proposal.matched)
 
     def verification(self) -> VerifyStep:
         self.verified = self.round_draft_tokens
@@ -205,12 +208,15 @@ class Sequence:
     def commit(self, outcome: VerifyResult, speculation: SpeculationCache | None) -> bool | None:
         """The round's outcome: keep it, then look it up among the pre-speculated drafts
         (returns whether the lookup hit; None without one)."""
-        drafted = self.round_proposal.tokens
+        proposal = self.round_proposal
+        drafted = proposal.tokens
         self.verifier.keep(self.out.ids, outcome)
         self.stats.record_round(outcome.accepted, len(drafted), self.plan.probe, speculation is not None,
                                 self.after_hit)
         self.observe_features(len(self.out.ids) - 1, outcome.hidden)
         self.out.commit(drafted.tolist()[:outcome.accepted] + [outcome.bonus], outcome.logprobs)
+        if self.speculator is not None:
+            self.speculator.observe_round(self.out.ids, proposal, outcome.accepted)
         self.proposal = None if self.speculator is not None else self.empty
         self.after_hit = False
         if self.done or speculation is None:
@@ -361,6 +367,9 @@ class Decoder:
         measure a step: fed in the first step, no probe measured one while speculation was
         off on the wide session, and the draft step stayed at its calibration (bench pair:
         2.46 ms where steps take 1.5), pricing every K below autoregressive decoding."""
+        for sequence in batch:
+            if sequence.proposal is None:
+                sequence.proposal = sequence.drafter.match(sequence.out.ids, sequence.plan.draft_tokens)
         needing = [s for s in batch if s.proposal is None]
         if not needing:
             return 0.0, None, False

@@ -49,11 +49,13 @@ class DraftRounds:
     def draft(self, ids) -> Draft:
         """An ordinary draft from `ids`, on the critical path (the first one, and misses)."""
         with timed(self.stats, "draft_s"):
-            return self.worker.submit(self._alone, self.speculator.draft(list(ids), self.k)).result()
+            matched = self.speculator.match(list(ids), self.k)
+            return matched or self.worker.submit(self._alone, self.speculator.draft(list(ids), self.k)).result()
 
     def prespeculate(self, ids, proposal: Draft) -> None:
-        """Start pre-speculating the outcomes of verifying `proposal` after `ids`."""
-        if self.prespeculating:
+        """Start pre-speculating the outcomes of verifying `proposal` after `ids` (not of
+        n-gram matches, which the draft model's cache has not seen)."""
+        if self.prespeculating and not proposal.matched:
             self._pending = self.worker.submit(beside_the_target, self._prespeculate, list(ids), proposal)
 
     def _prespeculate(self, ids, proposal: Draft) -> SpeculationCache:
@@ -72,6 +74,7 @@ class DraftRounds:
 
     def next_draft(self, ids, proposal: Draft, outcome: VerifyResult) -> Draft:
         """After `outcome` (with `ids` now committed): the cached branch on a hit, else a new draft."""
+        self.speculator.observe_round(list(ids), proposal, outcome.accepted)
         speculation, self._speculation = self._speculation, None
         if speculation is not None:
             hit = self.worker.submit(take_speculation, self.speculator, self.fanout_policy, self.stats, ids,

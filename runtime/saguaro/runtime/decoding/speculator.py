@@ -20,6 +20,11 @@ prefix come only with the verify they run under); on the next sync, entries fed 
 predicted features are fed again with the target's. Every draft is still verified
 against the q it was sampled from, so which features a draft read changes acceptance
 only, never the output.
+
+With n-gram matches leading the model (draft method "ngram+model"), `match` drafts a round
+from the sequence's own tokens where they propose its first token and the matches have
+been accepted at least as often as the model's drafts (`LeadChoice`); such a round runs no
+forward of the model and pre-speculates nothing, and the cache catches up later.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import torch
 from saguaro.plugins.branch_draft.reference import commit_indices, feasible_fanout, step_mask
 from saguaro.runtime.core.contracts import Draft, Rows, SpeculationCache, Step
 from saguaro.runtime.core.sampling import SaguaroSampling, SamplingParams, pick_tokens
+from saguaro.runtime.engines.ngram_draft import NOT_PROPOSED, matched_chain
 
 _R = TypeVar("_R")
 Forwards = Generator[Step, Rows, _R]  # yields steps, receives their rows, returns an _R
@@ -106,12 +112,42 @@ class DraftFeatures:
         return torch.stack([self.known[p - 1] if p > 0 else zero for p in range(first_position, first_position + count)])
 
 
+LEAD_FADING = 0.9  # the weight a round's measurement keeps after each later one of its kind
+
+
+class LeadChoice:
+    """Whether n-gram matches lead a sequence's rounds (`EngineInfo.ngram_lead`): while
+    their proposals are accepted at least as often per token as the model's drafts. The
+    model's rate is measured on the rounds it drafts; the matches' on every round where
+    one was found, led or not, against the tokens the round committed (what a match
+    would have had accepted of them). Both fade, start from one token accepted of two,
+    and a tie goes to the matches, which cost no forward."""
+
+    def __init__(self):
+        self.accepted = {True: 1.0, False: 1.0}  # by source: matched?
+        self.verified = {True: 2.0, False: 2.0}
+
+    def observe(self, matched: bool, verified: int, accepted: int) -> None:
+        if verified:
+            self.accepted[matched] = LEAD_FADING * self.accepted[matched] + accepted
+            self.verified[matched] = LEAD_FADING * self.verified[matched] + verified
+
+    def rate(self, matched: bool) -> float:
+        return self.accepted[matched] / self.verified[matched]
+
+    @property
+    def matches_lead(self) -> bool:
+        return self.rate(True) >= self.rate(False)
+
+
 class Speculator:
     def __init__(self, engine, sampling: SamplingParams, saguaro: SaguaroSampling | None, capacity: int):
         self.engine, self.sampling, self.saguaro = engine, sampling, saguaro
         self.cache = engine.new_cache(capacity)
         self.cached: list[int] = []
         self.features = DraftFeatures(engine) if engine.info.reads_features else None
+        self.lead = LeadChoice()
+        self._found: tuple[int, list[int]] | None = None  # this round's match: (context length, its chain)
 
     def release(self) -> None:
         self.cache.release()
@@ -162,6 +198,35 @@ class Speculator:
         lag = self.lag(ids)
         if lag > 0:
             yield from self._sync(ids if most is None or most >= lag else ids[:len(ids) - lag + most])
+
+    def match(self, ids: list[int], k: int) -> Draft | None:
+        """A round led by n-gram matching (`EngineInfo.ngram_lead`): where the sequence's own
+        tokens propose its next one, the chain of such proposals, up to k, with no forward
+        of the model (its cache catches up later, as after rounds that drafted nothing);
+        None where nothing proposes the first token, and the model drafts."""
+        lead = self.engine.info.ngram_lead
+        tokens = [] if lead is None or k == 0 else matched_chain(np.asarray(ids), k, *lead)
+        self._found = (len(ids), tokens) if tokens else None
+        if not tokens or not self.lead.matches_lead:
+            return None
+        # q is one-hot: verification accepts a sampled proposal x with probability p(x)
+        logits = torch.full((len(tokens), self.engine.info.vocab_size), NOT_PROPOSED)
+        logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 0.0
+        probs = None if self.sampling.greedy else (logits == 0).float()
+        return Draft(torch.tensor(tokens), probs, logits, stopped=len(tokens) < k, matched=True)
+
+    def observe_round(self, ids: list[int], draft: Draft, accepted: int) -> None:
+        """After a round that verified `draft` and committed up to `ids`: what each source
+        had accepted, for `LeadChoice`."""
+        if not draft.matched:  # per token drafted until the first rejection, as for the matches below
+            self.lead.observe(False, min(accepted + 1, len(draft)), accepted)
+        if self._found is not None:
+            start, chain = self._found
+            committed = ids[start:]
+            agreed = next((i for i, (a, b) in enumerate(zip(chain, committed)) if a != b), min(len(chain), len(committed)))
+            # a token past what the round committed is not known to be right or wrong
+            self.lead.observe(True, agreed if agreed == len(committed) else min(agreed + 1, len(chain)), agreed)
+            self._found = None
 
     def draft(self, ids: list[int], k: int) -> Forwards[Draft]:
         """Ordinary drafting: k tokens from `ids`, one forward each (the last not fed); a

@@ -88,6 +88,15 @@ def propose(context: np.ndarray, max_ngram: int, min_ngram: int) -> int | None:
     return None
 
 
+def matched_chain(context: np.ndarray, k: int, min_ngram: int, max_ngram: int) -> list[int]:
+    """Up to `k` proposals in a row, each matched on the context with the ones before it."""
+    tokens: list[int] = []
+    while len(tokens) < k and (token := propose(context, max_ngram, min_ngram)) is not None:
+        tokens.append(token)
+        context = np.append(context, token)
+    return tokens
+
+
 def row_contexts(cache: TokenCache, step: Step) -> list[np.ndarray]:
     """Each row's context, ending at the row's own token: the cache's entries its mask lets
     it see (all of them when causal) in cache order, which is position order along a branch."""
@@ -121,18 +130,23 @@ class NgramDraft(OneSequenceForms):
         return [self._forward(step) for step in steps]
 
     def _forward(self, step: Step) -> Rows:
+        proposals = self.proposals(step)
+        own_tokens = step.tokens[-len(proposals):].tolist()
+        logits = torch.full((len(proposals), self.info.vocab_size), NOT_PROPOSED)
+        columns = [own if proposal is None else proposal for own, proposal in zip(own_tokens, proposals)]
+        logits[torch.arange(len(proposals)), torch.tensor(columns)] = 0.0
+        return Rows(logits, proposes=proposals[-1] is not None)
+
+    def proposals(self, step: Step) -> list[int | None]:
+        """Each row's proposal (its last only for a `last_only` step; None where nothing
+        matches), the step's tokens appended to its cache."""
         cache = step.cache
         assert isinstance(cache, TokenCache)  # made by `new_cache`
         contexts = row_contexts(cache, step)
         cache.append(step.tokens.numpy())
         if step.last_only:
             contexts = contexts[-1:]
-        proposals = [propose(context, self.max_ngram, self.min_ngram) for context in contexts]
-        logits = torch.full((len(contexts), self.info.vocab_size), NOT_PROPOSED)
-        rows = torch.arange(len(contexts))
-        columns = [int(context[-1]) if proposal is None else proposal for context, proposal in zip(contexts, proposals)]
-        logits[rows, torch.tensor(columns)] = 0.0
-        return Rows(logits, proposes=proposals[-1] is not None)
+        return [propose(context, self.max_ngram, self.min_ngram) for context in contexts]
 
     def verify_batch(self, steps):
         raise TypeError("the n-gram draft proposes tokens; it verifies none")

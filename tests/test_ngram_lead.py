@@ -1,0 +1,165 @@
+"""N-gram matches leading a draft model (`--draft-method ngram+model`): a round whose first
+token the sequence's own tokens propose is drafted by matching alone, with no forward of
+the model; the other rounds are the model's. Decoding over it stays exact, greedy and
+sampled, and the model's cache catches up on the rounds it sat out."""
+import numpy as np
+import pytest
+import torch
+from checkpoints import make_checkpoint, random_head
+from test_lossless_sampling import PLAIN, VOCAB, WINDOW, chi_square_rejects, empirical_counts, exact_law
+
+from saguaro.runtime.core.contracts import Draft
+from saguaro.runtime.core.options import DecodeOptions
+from saguaro.runtime.core.sampling import SamplingParams
+from saguaro.runtime.decoding.speculator import LEAD_FADING, LeadChoice, Speculator
+from saguaro.runtime.engines.ngram_draft import matched_chain
+from saguaro.runtime.pipeline import Pipeline, RequestError
+
+GREEDY = SamplingParams()
+REPEATING_TEXT = "The with statement is used to wrap the with statement. The with statement is"
+
+
+def test_a_chain_follows_the_repeat_and_stops_where_nothing_matches():
+    assert matched_chain(np.array([5, 6, 7, 8, 5, 6]), 3, 2, 4) == [7, 8, 5]
+    assert matched_chain(np.array([5, 6, 7, 8, 5, 6]), 9, 2, 4) == [7, 8, 5, 6, 7, 8, 5, 6, 7]  # a loop, to k
+    assert matched_chain(np.array([1, 2, 3, 9, 1, 2]), 4, 2, 4) == [3, 9, 1, 2]
+    assert matched_chain(np.array([1, 2, 3, 4]), 4, 2, 4) == []
+    assert matched_chain(np.array([4, 1, 2, 3, 1, 2]), 4, 2, 4) == [3, 1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_pair, tmp_path_factory):
+    return random_head(tiny_pair / "target", tmp_path_factory.mktemp("head") / "head")
+
+
+@pytest.fixture(scope="module")
+def led(tiny_pair, head_dir):
+    loaded = Pipeline.load(tiny_pair / "target", head_dir, draft_method="ngram+model")
+    yield loaded
+    loaded.close()
+
+
+def test_a_match_drafts_the_round_without_the_model_and_no_match_leaves_it_to_the_model(led):
+    assert led.draft.info.reads_features and led.draft.info.ngram_lead == (2, 4)
+    speculator = Speculator(led.draft, GREEDY, None, 64)
+    matched = speculator.match([11, 12, 13, 14, 11, 12], 4)
+    assert matched is not None and matched.matched and matched.tokens.tolist() == [13, 14, 11, 12]
+    assert speculator.cache.length == 0  # no forward of the model
+    assert speculator.match([21, 22, 23, 24], 4) is None
+    assert speculator.match([11, 12, 13, 14, 11, 12], 0) is None
+    short = speculator.match([11, 12, 13, 11, 12, 9, 12, 13], 4)  # "12 13" -> 11 -> "13 11" -> 12, then "11 12" -> 9...
+    assert short is not None and short.tokens.tolist() == [11, 12, 9, 12] and not short.stopped
+
+
+def test_a_sampled_match_has_a_one_hot_q_and_a_plain_model_draft_never_matches(led, tiny_pair):
+    sampled = Speculator(led.draft, SamplingParams(temperature=0.8, seed=1), None, 64)
+    matched = sampled.match([3, 4, 5, 3, 4], 2)
+    assert matched is not None and matched.probs is not None
+    assert torch.equal(matched.probs.argmax(-1), matched.tokens) and matched.probs.sum().item() == 2.0
+    assert matched.stopped is False and len(matched.prefix(1)) == 1 and matched.prefix(1).matched
+    plain = Pipeline.load(tiny_pair / "target", tiny_pair / "draft")
+    try:
+        assert Speculator(plain.draft, GREEDY, None, 64).match([3, 4, 5, 3, 4], 2) is None
+    finally:
+        plain.close()
+
+
+def test_matches_lead_while_accepted_at_least_as_often_as_the_models_drafts():
+    choice = LeadChoice()
+    assert choice.matches_lead  # a tie: matches cost no forward
+    for _ in range(3):
+        choice.observe(False, 4, 4)  # the model's drafts all accepted
+        choice.observe(True, 1, 0)   # the matches' first token rejected
+    assert not choice.matches_lead
+    for _ in range(30):  # the model gets worse, the matches better: what is recent counts
+        choice.observe(False, 1, 0)
+        choice.observe(True, 4, 3)
+    assert choice.matches_lead
+    choice.observe(True, 0, 0)  # nothing verified: nothing measured
+    assert choice.rate(True) == pytest.approx(choice.accepted[True] / choice.verified[True])
+
+
+def test_a_round_scores_the_match_it_found_against_what_was_committed(led):
+    speculator = Speculator(led.draft, GREEDY, None, 64)
+    ids = [11, 12, 13, 14, 11, 12]
+    for _ in range(4):  # the model's drafts accepted whole, four rounds running
+        speculator.observe_round(ids, Draft(torch.tensor([1, 2]), None, torch.zeros(2, 8)), 2)
+    found = speculator.match(ids, 4)  # the chain is 13 14 11 12; the model leads (2 of 2 against 1 of 2)
+    assert found is None and speculator.lead.rate(False) > speculator.lead.rate(True)
+    model_draft = Draft(torch.tensor([13, 14]), None, torch.zeros(2, 8))
+    speculator.observe_round(ids + [13, 14, 11], model_draft, 2)  # the target wrote what the chain said
+    assert speculator.lead.verified[True] == pytest.approx(LEAD_FADING * 2 + 3)  # 3 of 3 committed agreed
+    assert speculator.lead.accepted[True] == pytest.approx(LEAD_FADING * 1 + 3)
+    speculator.observe_round(ids + [13, 14, 11, 12], model_draft, 2)  # no match was looked up since
+    assert speculator.lead.verified[True] == pytest.approx(LEAD_FADING * 2 + 3)
+
+
+def count_matches(monkeypatch) -> list[int]:
+    """`[rounds matching drafted, rounds left to the model]`, as `Speculator.match` answered."""
+    counted = [0, 0]
+    original = Speculator.match
+
+    def counting(self, ids, k):
+        drafted = original(self, ids, k)
+        if k:
+            counted[drafted is None] += 1
+        return drafted
+    monkeypatch.setattr(Speculator, "match", counting)
+    return counted
+
+
+@pytest.mark.parametrize("mode", ["speculative", "ssd"])
+def test_greedy_output_over_a_feature_head_is_the_targets(led, mode, monkeypatch):
+    prompt = led.encode(REPEATING_TEXT)
+    alone = led.generate(prompt, DecodeOptions(mode="autoregressive", max_tokens=40, eos_token_id=-1), GREEDY)
+    matched = count_matches(monkeypatch)
+    options = DecodeOptions(mode=mode, num_draft_tokens=4, fanout=(2,), max_tokens=40, eos_token_id=-1)
+    drafted = led.generate(prompt, options, GREEDY)
+    assert drafted.output_ids == alone.output_ids
+    assert matched[0] > 0 and matched[1] > 0, "both kinds of round must have run"
+    assert drafted.stats.accepted_tokens > 0
+
+
+def test_greedy_output_on_compiled_engines_is_the_targets(tiny_engines, monkeypatch):
+    pipeline = Pipeline.load(engines=tiny_engines, draft_method="ngram+model")
+    try:
+        prompt = pipeline.encode(REPEATING_TEXT)
+        alone = pipeline.generate(prompt, DecodeOptions(mode="autoregressive", max_tokens=32), GREEDY)
+        matched = count_matches(monkeypatch)
+        for mode in ("speculative", "ssd"):
+            drafted = pipeline.generate(prompt, DecodeOptions(mode=mode, num_draft_tokens=3, max_tokens=32), GREEDY)
+            assert drafted.output_ids == alone.output_ids, mode
+        assert matched[0] > 0
+    finally:
+        pipeline.close()
+
+
+@pytest.fixture(scope="module")
+def enumerable_led(tmp_path_factory):
+    root = tmp_path_factory.mktemp("enumerable_led")
+    target = make_checkpoint(root / "target", vocab_size=VOCAB, hidden=32, seed=0, logit_scale=4.0)
+    draft = make_checkpoint(root / "draft", vocab_size=VOCAB, hidden=16, seed=1, logit_scale=4.0)
+    return Pipeline.load(target, draft, draft_method="ngram+model")
+
+
+# "1 2" is followed by 3: the first round is a match; later rounds match or not by the sample
+REPEATING_PROMPT = [1, 2, 3, 0, 1, 2]
+
+
+@pytest.mark.parametrize("options", [
+    DecodeOptions(mode="speculative", num_draft_tokens=2, max_tokens=WINDOW + 1, eos_token_id=-1),
+    DecodeOptions(mode="ssd", num_draft_tokens=2, fanout=(2,), max_tokens=WINDOW + 1, eos_token_id=-1)],
+    ids=["speculative K=2", "ssd K=2"])
+def test_sampled_output_follows_the_targets_law(enumerable_led, options, monkeypatch):
+    matched = count_matches(monkeypatch)
+    counts, _ = empirical_counts(enumerable_led, options, PLAIN, samples=2000, prompt=REPEATING_PROMPT)
+    rejects, statistic = chi_square_rejects(counts, exact_law(enumerable_led.target, PLAIN, prompt=REPEATING_PROMPT))
+    assert not rejects, f"chi-square {statistic:.1f} says the output is not the target's law"
+    assert matched[0] >= 2000 and matched[1] > 0, "every sample's first round matched, and some later rounds did not"
+
+
+def test_the_method_needs_a_draft_model(tiny_pair):
+    with pytest.raises(RequestError, match="both target and draft"):
+        Pipeline.load(target=tiny_pair / "target", draft_method="ngram+model")
+    with pytest.raises(RequestError, match="model, ngram, ngram\\+model; got 'eagle'"):
+        Pipeline.load(target=tiny_pair / "target", draft_method="eagle")
