@@ -8,9 +8,11 @@ import torch
 from checkpoints import make_checkpoint, random_head
 from test_lossless_sampling import PLAIN, VOCAB, WINDOW, chi_square_rejects, empirical_counts, exact_law
 
+from saguaro.runtime.control.round_report import Plan
 from saguaro.runtime.core.contracts import Draft
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
+from saguaro.runtime.decoding.decoder import Sequence
 from saguaro.runtime.decoding.speculator import LEAD_FADING, LeadChoice, Speculator
 from saguaro.runtime.engines.ngram_draft import matched_chain
 from saguaro.runtime.pipeline import Pipeline, RequestError
@@ -92,6 +94,26 @@ def test_a_round_scores_the_match_it_found_against_what_was_committed(led):
     assert speculator.lead.accepted[True] == pytest.approx(LEAD_FADING * 1 + 3)
     speculator.observe_round(ids + [13, 14, 11, 12], model_draft, 2)  # no match was looked up since
     assert speculator.lead.verified[True] == pytest.approx(LEAD_FADING * 2 + 3)
+
+
+def test_a_match_drafts_the_requests_k_even_where_the_policy_holds_the_model_at_zero(led):
+    ids = led.encode(REPEATING_TEXT)
+    adaptive = Sequence(led.request(ids, DecodeOptions(mode="ssd", num_draft_tokens=4, adapt_k=True), GREEDY),
+                        led.target, led.draft)
+    adaptive.prepare(Plan(0))  # the policy drafts nothing with the model
+    assert adaptive.proposal is not None and adaptive.proposal.matched and adaptive.round_draft_tokens == 4
+    assert not adaptive.speculates  # the model's cache has not seen the match: no branches
+    adaptive.prepare(Plan(0))  # a proposal in hand is kept
+    assert adaptive.proposal.matched
+    pinned = Sequence(led.request(ids, DecodeOptions(mode="ssd", num_draft_tokens=4), GREEDY), led.target, led.draft)
+    pinned.prepare(Plan(0))  # K pinned, and no room to draft: nothing is matched either
+    assert pinned.proposal is pinned.empty
+    fresh = Sequence(led.request([21, 22, 23, 24], DecodeOptions(mode="ssd", num_draft_tokens=4, adapt_k=True),
+                                 GREEDY), led.target, led.draft)
+    fresh.prepare(Plan(2))
+    assert fresh.proposal is None  # no match: left to the model's drafting
+    for sequence in (adaptive, pinned, fresh):
+        sequence.finish()
 
 
 def count_matches(monkeypatch) -> list[int]:

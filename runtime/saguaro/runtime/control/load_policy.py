@@ -123,8 +123,9 @@ class LoadPolicy:
         if report.prespeculation is not None:
             price.observe_prespeculation(*report.prespeculation)
         for sequence in report.sequences:
-            self.record_round(sequence.acceptance, sequence.greedy, sequence.verified, sequence.accepted,
-                              sequence.asked)
+            if not sequence.matched:  # the model's K is priced on the model's rounds
+                self.record_round(sequence.acceptance, sequence.greedy, sequence.verified, sequence.accepted,
+                                  sequence.asked)
             if sequence.hit is not None:
                 self.record_lookup(sequence.acceptance, sequence.greedy, sequence.hit)
         price.observe_host(report.requests, report.host_s, report.drafted, report.prespeculation is not None)

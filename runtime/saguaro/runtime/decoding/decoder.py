@@ -154,7 +154,8 @@ class Sequence:
     def round_draft_tokens(self) -> int:
         """Drafts the coming round verifies: the plan's K, what was drafted, and what fits."""
         assert self.proposal is not None  # asked once the round has its draft (`Decoder.draft_misses`)
-        return max(0, min(self.plan.draft_tokens, len(self.proposal), self.out.room - 1))
+        k = len(self.proposal) if self.proposal.matched else self.plan.draft_tokens  # a match drafts on its own terms
+        return max(0, min(k, len(self.proposal), self.out.room - 1))
 
     @property
     def round_proposal(self) -> Draft:
@@ -162,12 +163,21 @@ class Sequence:
         return self.proposal.prefix(self.round_draft_tokens)
 
     def prepare(self, plan: Plan) -> None:
-        """Take the round's plan. A sequence that drafts this round and has no draft yet
-        (the last round drafted none, or its speculation missed) is left without a
-        proposal, for `Decoder.draft_misses`; one that drafts nothing gets the empty draft."""
+        """Take the round's plan. A sequence without a draft yet (the last round drafted
+        none, or its speculation missed) takes an n-gram match where one leads; else, if it
+        drafts this round, it is left without a proposal, for `Decoder.draft_misses`, and if
+        not, it gets the empty draft."""
         self.plan = plan
         if self.speculator is not None and (self.proposal is None or not len(self.proposal)):
-            self.proposal = None if plan.draft_tokens else self.empty
+            self.proposal = self._matched() or (None if plan.draft_tokens else self.empty)
+
+    def _matched(self) -> Draft | None:
+        """An n-gram match that leads the round (`Speculator.match`), of the request's own K
+        whatever the plan's: it costs no forward of the model, and the load policy prices
+        the model's rounds, not these. Not for a request whose K the policy may not choose
+        and that drafts nothing this round."""
+        may_draft = self.adapts or self.plan.draft_tokens > 0
+        return self.drafter.match(self.out.ids, self.k) if may_draft else None
 
     @property
     def drafter(self) -> Speculator:
@@ -331,10 +341,10 @@ class Decoder:
         for sequence, outcome in zip(batch, outcomes):
             sequence.stats.verify_s += verifying.seconds
             sequence.stats.wait_s += waiting.seconds
-            verified = sequence.verified
+            verified, matched = sequence.verified, sequence.round_proposal.matched
             hit = sequence.commit(outcome, speculations.get(id(sequence)))
             report.sequences.append(SequenceRound(sequence.acceptance, sequence.greedy, verified, outcome.accepted, hit,
-                                                  sequence.asked))
+                                                  sequence.asked, matched))
         return report
 
     def prespeculate(self, batch: list[Sequence]) -> list[SpeculationCache]:
@@ -367,9 +377,6 @@ class Decoder:
         measure a step: fed in the first step, no probe measured one while speculation was
         off on the wide session, and the draft step stayed at its calibration (bench pair:
         2.46 ms where steps take 1.5), pricing every K below autoregressive decoding."""
-        for sequence in batch:
-            if sequence.proposal is None:
-                sequence.proposal = sequence.drafter.match(sequence.out.ids, sequence.plan.draft_tokens)
         needing = [s for s in batch if s.proposal is None]
         if not needing:
             return 0.0, None, False
