@@ -37,12 +37,16 @@ WINDOW = 3          # tokens whose joint law is checked
 SAMPLES = 3000      # seeded generations per configuration
 
 
-@pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
-    root = tmp_path_factory.mktemp("enumerable")
+def enumerable_pair(root, draft_method: str = "model") -> Pipeline:
+    """A pair over `VOCAB` tokens, whose law over `WINDOW` tokens can be enumerated."""
     target = make_checkpoint(root / "target", vocab_size=VOCAB, hidden=32, seed=0, logit_scale=4.0)
     draft = make_checkpoint(root / "draft", vocab_size=VOCAB, hidden=16, seed=1, logit_scale=4.0)
-    return Pipeline.load(target, draft)
+    return Pipeline.load(target, draft, draft_method=draft_method)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    return enumerable_pair(tmp_path_factory.mktemp("enumerable"))
 
 
 def next_token_probs(engine, ids, sampling) -> torch.Tensor:

@@ -6,15 +6,22 @@ import json
 import numpy as np
 import pytest
 import torch
-from checkpoints import make_checkpoint
-from test_lossless_sampling import PLAIN, VOCAB, WINDOW, chi_square_rejects, empirical_counts, exact_law
+from test_lossless_sampling import (
+    PLAIN,
+    WINDOW,
+    chi_square_rejects,
+    empirical_counts,
+    enumerable_pair,
+    exact_law,
+)
 
 from saguaro.runtime import cli
 from saguaro.runtime.core.contracts import Step
+from saguaro.runtime.core.ngram import propose
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.decoding.speculator import Speculator, lockstep
-from saguaro.runtime.engines.ngram_draft import TokenCache, propose, row_contexts
+from saguaro.runtime.engines.ngram_draft import TokenCache, row_contexts
 from saguaro.runtime.pipeline import Pipeline, RequestError
 
 
@@ -86,10 +93,7 @@ def test_greedy_output_is_the_targets_and_repeats_are_accepted(ngram_pipeline, m
 
 @pytest.fixture(scope="module")
 def enumerable_ngram(tmp_path_factory):
-    root = tmp_path_factory.mktemp("enumerable_ngram")
-    target = make_checkpoint(root / "target", vocab_size=VOCAB, hidden=32, seed=0, logit_scale=4.0)
-    draft = make_checkpoint(root / "draft", vocab_size=VOCAB, hidden=16, seed=1, logit_scale=4.0)
-    return Pipeline.load(target, draft, draft_method="ngram")
+    return enumerable_pair(tmp_path_factory.mktemp("enumerable_ngram"), draft_method="ngram")
 
 
 REPEATING_PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # "1 2" is followed by 3, "2 3" by 1: every round proposes

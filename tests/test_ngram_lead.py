@@ -5,16 +5,23 @@ sampled, and the model's cache catches up on the rounds it sat out."""
 import numpy as np
 import pytest
 import torch
-from checkpoints import make_checkpoint, random_head
-from test_lossless_sampling import PLAIN, VOCAB, WINDOW, chi_square_rejects, empirical_counts, exact_law
+from checkpoints import random_head
+from test_lossless_sampling import (
+    PLAIN,
+    WINDOW,
+    chi_square_rejects,
+    empirical_counts,
+    enumerable_pair,
+    exact_law,
+)
 
 from saguaro.runtime.control.round_report import Plan
 from saguaro.runtime.core.contracts import Draft
+from saguaro.runtime.core.ngram import matched_chain
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.decoding.decoder import Sequence
 from saguaro.runtime.decoding.speculator import LEAD_FADING, LeadChoice, Speculator
-from saguaro.runtime.engines.ngram_draft import matched_chain
 from saguaro.runtime.pipeline import Pipeline, RequestError
 
 GREEDY = SamplingParams()
@@ -105,6 +112,9 @@ def test_a_match_drafts_the_requests_k_even_where_the_policy_holds_the_model_at_
     assert not adaptive.speculates  # the model's cache has not seen the match: no branches
     adaptive.prepare(Plan(0))  # a proposal in hand is kept
     assert adaptive.proposal.matched
+    adaptive.proposal = None
+    adaptive.prepare(Plan(1, probe=True))  # a probe measures the model: no match
+    assert adaptive.proposal is None
     pinned = Sequence(led.request(ids, DecodeOptions(mode="ssd", num_draft_tokens=4), GREEDY), led.target, led.draft)
     pinned.prepare(Plan(0))  # K pinned, and no room to draft: nothing is matched either
     assert pinned.proposal is pinned.empty
@@ -158,10 +168,7 @@ def test_greedy_output_on_compiled_engines_is_the_targets(tiny_engines, monkeypa
 
 @pytest.fixture(scope="module")
 def enumerable_led(tmp_path_factory):
-    root = tmp_path_factory.mktemp("enumerable_led")
-    target = make_checkpoint(root / "target", vocab_size=VOCAB, hidden=32, seed=0, logit_scale=4.0)
-    draft = make_checkpoint(root / "draft", vocab_size=VOCAB, hidden=16, seed=1, logit_scale=4.0)
-    return Pipeline.load(target, draft, draft_method="ngram+model")
+    return enumerable_pair(tmp_path_factory.mktemp("enumerable_led"), draft_method="ngram+model")
 
 
 # "1 2" is followed by 3: the first round is a match; later rounds match or not by the sample

@@ -11,6 +11,11 @@ import torch
 from saguaro.plugins.probs import is_greedy, logits_to_probs, saguaro_rescale, sample_from
 
 UNSCORED = -1e9  # the logit of a token outside a draft's output vocabulary: probability 0
+# An n-gram proposal's row: every other token's logit, probability 0 after any temperature,
+# yet above `UNSCORED`, which would mark the columns as outside a reduced vocabulary, and a
+# sampler reads those from a batch's first row: the rows of a pre-speculation step propose
+# different tokens.
+NOT_PROPOSED = -1e8
 
 
 @dataclass(frozen=True)

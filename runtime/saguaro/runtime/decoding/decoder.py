@@ -175,8 +175,8 @@ class Sequence:
         """An n-gram match that leads the round (`Speculator.match`), of the request's own K
         whatever the plan's: it costs no forward of the model, and the load policy prices
         the model's rounds, not these. Not for a request whose K the policy may not choose
-        and that drafts nothing this round."""
-        may_draft = self.adapts or self.plan.draft_tokens > 0
+        and that drafts nothing this round, nor in a probe (it measures the model)."""
+        may_draft = (self.adapts or self.plan.draft_tokens > 0) and not self.plan.probe
         return self.drafter.match(self.out.ids, self.k) if may_draft else None
 
     @property

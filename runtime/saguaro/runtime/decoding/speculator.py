@@ -36,8 +36,8 @@ import torch
 
 from saguaro.plugins.branch_draft.reference import commit_indices, feasible_fanout, step_mask
 from saguaro.runtime.core.contracts import Draft, Rows, SpeculationCache, Step
-from saguaro.runtime.core.sampling import SaguaroSampling, SamplingParams, pick_tokens
-from saguaro.runtime.engines.ngram_draft import NOT_PROPOSED, matched_chain
+from saguaro.runtime.core.ngram import matched_chain
+from saguaro.runtime.core.sampling import NOT_PROPOSED, SaguaroSampling, SamplingParams, pick_tokens
 
 _R = TypeVar("_R")
 Forwards = Generator[Step, Rows, _R]  # yields steps, receives their rows, returns an _R

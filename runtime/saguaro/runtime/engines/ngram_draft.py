@@ -26,14 +26,12 @@ import torch
 
 from saguaro.plugins.branch_draft.reference import plan_branches
 from saguaro.runtime.core.contracts import EngineInfo, OneSequenceForms, Rows, Step
+from saguaro.runtime.core.ngram import propose
+from saguaro.runtime.core.sampling import NOT_PROPOSED
 from saguaro.runtime.engines.kv_cache import check_gather, check_truncate
 
 BACKEND = "ngram"
 DEFAULT_MAX_NGRAM = 4  # vLLM's prompt_lookup_max default is 5, TensorRT-LLM's max_matching_ngram_size 4
-# Every other token's logit: probability 0 after any temperature, yet above `UNSCORED`,
-# which would mark the columns as outside a reduced vocabulary, and a sampler reads those
-# from a batch's first row: the rows of a pre-speculation step propose different tokens.
-NOT_PROPOSED = -1e8
 DEFAULT_MIN_NGRAM = 2  # a one-token match proposed more than it got accepted on chat answers
 
 
@@ -72,29 +70,6 @@ class TokenCache:
 
     def release(self) -> None:
         pass
-
-
-def propose(context: np.ndarray, max_ngram: int, min_ngram: int) -> int | None:
-    """The token after the most recent earlier occurrence of `context`'s last n tokens,
-    for the longest n in `[min_ngram, max_ngram]` that occurs; None when none does."""
-    for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
-        starts = len(context) - n  # windows starting before the last n tokens' own
-        found = context[:starts] == context[-n]
-        for offset in range(1, n):
-            found &= context[offset:starts + offset] == context[-n + offset]
-        hits = np.flatnonzero(found)
-        if len(hits):
-            return int(context[hits[-1] + n])
-    return None
-
-
-def matched_chain(context: np.ndarray, k: int, min_ngram: int, max_ngram: int) -> list[int]:
-    """Up to `k` proposals in a row, each matched on the context with the ones before it."""
-    tokens: list[int] = []
-    while len(tokens) < k and (token := propose(context, max_ngram, min_ngram)) is not None:
-        tokens.append(token)
-        context = np.append(context, token)
-    return tokens
 
 
 def row_contexts(cache: TokenCache, step: Step) -> list[np.ndarray]:
