@@ -63,8 +63,9 @@ def add_draft_method_argument(parser) -> None:
                         help="'model': the draft the engine folder or --draft holds; 'ngram': propose the "
                              "tokens that followed the latest earlier occurrence of the last 2-4 tokens "
                              "in the sequence itself (prompt lookup: no draft model, no draft forwards); "
-                             "'ngram+model': those proposals where there are some, the draft model's "
-                             "tokens elsewhere")
+                             "'ngram+model': a round whose first token such a match proposes is drafted "
+                             "by matching alone (while matches are accepted at least as often as the "
+                             "model's drafts), every other round by the draft model")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

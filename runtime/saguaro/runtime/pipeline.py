@@ -155,8 +155,9 @@ class Pipeline:
         """Checkpoint folders (`target` and `draft`, a checkpoint or a feature draft's
         head) or a built engine folder (`engines`). `draft_method` "ngram" drafts by n-gram
         matching over each sequence's own tokens instead (no draft model is loaded, and
-        `draft` is not needed); "ngram+model" drafts the matches where there are some and
-        the draft model's tokens elsewhere.
+        `draft` is not needed); "ngram+model" drafts a round by such matching alone where a
+        match proposes its first token and the matches have been accepted at least as often
+        as the model's drafts, every other round with the draft model (`Speculator.match`).
 
         `threads` sets torch's intra-op threads: the target and the draft each run on one
         core, so a second thread each would oversubscribe a 2-core machine. `options`

@@ -14,16 +14,16 @@ from saguaro.runtime.core.sampling import SaguaroSampling, SamplingParams
 
 MODES = ("autoregressive", "speculative", "ssd")
 # what drafts: the engine folder's or checkpoint's draft model | n-gram matching over the
-# sequence's own tokens (`engines.ngram_draft`: no draft model) | the matches where they
-# propose, the draft model elsewhere (`engines.ngram_first_draft`)
+# sequence's own tokens (`engines.ngram_draft`: no draft model) | the matches in the rounds
+# they lead, the draft model in the others (`decoding.speculator.Speculator.match`)
 DRAFT_METHODS = ("model", "ngram", "ngram+model")
 NO_MODEL_METHOD = "ngram"
+DEFAULT_FANOUT = (3,)  # the official code's static default: 3 candidates at every depth
+AUTO_BUDGET_CAP = 16   # budget "auto": the load policy sizes B each round, up to 16 (or the engines' built maximum)
 
 
 def uses_draft_model(draft_method: str) -> bool:
     return draft_method != NO_MODEL_METHOD
-DEFAULT_FANOUT = (3,)  # the official code's static default: 3 candidates at every depth
-AUTO_BUDGET_CAP = 16   # budget "auto": the load policy sizes B each round, up to 16 (or the engines' built maximum)
 
 
 @dataclass(frozen=True)

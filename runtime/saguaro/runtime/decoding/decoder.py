@@ -196,7 +196,8 @@ class Sequence:
 
     @property
     def draft_lags(self) -> bool:
-        """Drafts nothing this round and its draft cache lacks committed tokens."""
+        """Drafts nothing with the model this round (nothing, or an n-gram match) and its
+        draft cache lacks committed tokens."""
         return (self.speculator is not None and (not self.plan.draft_tokens or self.round_proposal.matched)
                 and self.speculator.lag(self.out.ids) > 0)
 
