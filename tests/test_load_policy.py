@@ -29,7 +29,7 @@ from saguaro.runtime.control.load_policy import (
     probe_period,
 )
 from saguaro.runtime.control.round_price import TRIAL_FOLLOWING, RoundPrice
-from saguaro.runtime.control.round_report import Plan, RoundReport, SequenceRound, undrafted_reason
+from saguaro.runtime.control.round_report import Plan, RoundReport, undrafted_reason
 from saguaro.runtime.control.sessions import TRIAL_PERIOD, SessionChoice
 from saguaro.runtime.core.contracts import Rows, Step
 from saguaro.runtime.core.options import DecodeOptions
@@ -1181,18 +1181,3 @@ def test_a_round_that_drafted_nothing_names_the_most_telling_reason():
     assert undrafted_reason([Plan(0), Plan(0)]) == "asked"  # pinned K = 0: nobody's choice but the request's
 
 
-
-def test_rounds_drafted_by_n_gram_matches_alone_are_not_the_models_acceptance():
-    """A matched round (`--draft-method ngram+model`) verifies drafts the model never made:
-    its verification is measured, its acceptance is not the model's."""
-    policy = policy_with(measured(0.004, 0.0004), measured(0.0003, 0.00002), acceptance=0.2)
-    own = Acceptance()
-    shared_before = list(policy.shared[True].accepted)
-    matched = RoundReport(1, 5, verify_s=0.006, alone=False, undrafted="priced",
-                          sequences=[SequenceRound(own, True, 4, 4, matched=True)])
-    policy.observe_round(matched)
-    assert own.last == (0, 0) and not own.verified and policy.shared[True].accepted == shared_before
-    model = RoundReport(1, 5, verify_s=0.006, alone=False, undrafted=None,
-                        sequences=[SequenceRound(own, True, 4, 1)])
-    policy.observe_round(model)
-    assert own.last == (4, 1) and own.verified[:2] == [1.0, 1.0]

@@ -103,27 +103,23 @@ def test_a_round_scores_the_match_it_found_against_what_was_committed(led):
     assert speculator.lead.verified[True] == pytest.approx(LEAD_FADING * 2 + 3)
 
 
-def test_a_match_drafts_the_requests_k_even_where_the_policy_holds_the_model_at_zero(led):
+def test_a_match_drafts_the_plans_k_only_where_the_policy_drafts(led):
     ids = led.encode(REPEATING_TEXT)
-    adaptive = Sequence(led.request(ids, DecodeOptions(mode="ssd", num_draft_tokens=4, adapt_k=True), GREEDY),
+    sequence = Sequence(led.request(ids, DecodeOptions(mode="ssd", num_draft_tokens=4, adapt_k=True), GREEDY),
                         led.target, led.draft)
-    adaptive.prepare(Plan(0))  # the policy drafts nothing with the model
-    assert adaptive.proposal is not None and adaptive.proposal.matched and adaptive.round_draft_tokens == 4
-    assert not adaptive.speculates  # the model's cache has not seen the match: no branches
-    adaptive.prepare(Plan(0))  # a proposal in hand is kept
-    assert adaptive.proposal.matched
-    adaptive.proposal = None
-    adaptive.prepare(Plan(1, probe=True))  # a probe measures the model: no match
-    assert adaptive.proposal is None
-    pinned = Sequence(led.request(ids, DecodeOptions(mode="ssd", num_draft_tokens=4), GREEDY), led.target, led.draft)
-    pinned.prepare(Plan(0))  # K pinned, and no room to draft: nothing is matched either
-    assert pinned.proposal is pinned.empty
+    sequence.prepare(Plan(0))  # the policy drafts nothing: neither do the matches (under load it must not)
+    assert sequence.proposal is sequence.empty
+    sequence.prepare(Plan(1, probe=True))  # a probe measures the model: no match
+    assert sequence.proposal is None
+    sequence.prepare(Plan(2))
+    assert sequence.proposal is not None and sequence.proposal.matched and sequence.round_draft_tokens == 2
+    assert not sequence.speculates  # the model's cache has not seen the match: no branches
     fresh = Sequence(led.request([21, 22, 23, 24], DecodeOptions(mode="ssd", num_draft_tokens=4, adapt_k=True),
                                  GREEDY), led.target, led.draft)
     fresh.prepare(Plan(2))
     assert fresh.proposal is None  # no match: left to the model's drafting
-    for sequence in (adaptive, pinned, fresh):
-        sequence.finish()
+    for each in (sequence, fresh):
+        each.finish()
 
 
 def count_matches(monkeypatch) -> list[int]:

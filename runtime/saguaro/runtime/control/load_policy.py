@@ -123,16 +123,12 @@ class LoadPolicy:
         if report.prespeculation is not None:
             price.observe_prespeculation(*report.prespeculation)
         for sequence in report.sequences:
-            if not sequence.matched:  # the model's K is priced on the model's rounds
-                self.record_round(sequence.acceptance, sequence.greedy, sequence.verified, sequence.accepted,
-                                  sequence.asked)
+            self.record_round(sequence.acceptance, sequence.greedy, sequence.verified, sequence.accepted,
+                              sequence.asked)
             if sequence.hit is not None:
                 self.record_lookup(sequence.acceptance, sequence.greedy, sequence.hit)
         price.observe_host(report.requests, report.host_s, report.drafted, report.prespeculation is not None)
-        # the first round of drafting after a stretch without, or a round with n-gram matches
-        # in it (their tokens come without the model's drafting): the clock's not to judge
-        matched = any(sequence.matched for sequence in report.sequences)
-        if report.caught_up or matched:
+        if report.caught_up:  # the first round of drafting after a stretch without: the clock's not to judge
             self.clock.counts(None)
         self.clock.committed(report.requests, sum(sequence.accepted + 1 for sequence in report.sequences))
         whole = report.verify_s + report.wait_s + report.draft_s + report.host_s
@@ -140,7 +136,7 @@ class LoadPolicy:
         # the model spreads that forward over the rounds it serves (`RoundPrice.catch_up_seconds`),
         # the round pays it whole, and at one stream (a prompt per request, stretches at
         # K = 0) such rounds held every drafting price 1.2-1.7x above what steady rounds take
-        if self._modelled is not None and report.drafted and not report.caught_up and not matched:
+        if self._modelled is not None and report.drafted and not report.caught_up:
             modelled, undrafted, speculating = self._modelled
             price.observe_drafted(speculating, report.requests, whole - undrafted, modelled - undrafted)
         elif not report.drafted:  # nothing measured it: what the last drafting rounds showed ages

@@ -48,7 +48,6 @@ class SequenceRound:
     accepted: int
     hit: bool | None = None
     asked: int | None = None  # drafts asked for that the draft could have proposed (None: `verified`)
-    matched: bool = False     # drafted by n-gram matches alone: not the draft model's acceptance
 
 
 @dataclass

@@ -154,8 +154,7 @@ class Sequence:
     def round_draft_tokens(self) -> int:
         """Drafts the coming round verifies: the plan's K, what was drafted, and what fits."""
         assert self.proposal is not None  # asked once the round has its draft (`Decoder.draft_misses`)
-        k = len(self.proposal) if self.proposal.matched else self.plan.draft_tokens  # a match drafts on its own terms
-        return max(0, min(k, len(self.proposal), self.out.room - 1))
+        return max(0, min(self.plan.draft_tokens, len(self.proposal), self.out.room - 1))
 
     @property
     def round_proposal(self) -> Draft:
@@ -163,21 +162,19 @@ class Sequence:
         return self.proposal.prefix(self.round_draft_tokens)
 
     def prepare(self, plan: Plan) -> None:
-        """Take the round's plan. A sequence without a draft yet (the last round drafted
-        none, or its speculation missed) takes an n-gram match where one leads; else, if it
-        drafts this round, it is left without a proposal, for `Decoder.draft_misses`, and if
-        not, it gets the empty draft."""
+        """Take the round's plan. A sequence that drafts this round and has no draft yet
+        (the last round drafted none, or its speculation missed) takes an n-gram match of
+        the plan's K where one leads (`Speculator.match`; not in a probe, which measures the
+        model), else is left without a proposal, for `Decoder.draft_misses`; one that drafts
+        nothing gets the empty draft. Matches draft only where the load policy drafts: under
+        load, verifying every sequence's chain whatever the policy chose halved batched
+        throughput at 16 streams."""
         self.plan = plan
         if self.speculator is not None and (self.proposal is None or not len(self.proposal)):
-            self.proposal = self._matched() or (None if plan.draft_tokens else self.empty)
-
-    def _matched(self) -> Draft | None:
-        """An n-gram match that leads the round (`Speculator.match`), of the request's own K
-        whatever the plan's: it costs no forward of the model, and the load policy prices
-        the model's rounds, not these. Not for a request whose K the policy may not choose
-        and that drafts nothing this round, nor in a probe (it measures the model)."""
-        may_draft = (self.adapts or self.plan.draft_tokens > 0) and not self.plan.probe
-        return self.drafter.match(self.out.ids, self.k) if may_draft else None
+            if not plan.draft_tokens:
+                self.proposal = self.empty
+            else:
+                self.proposal = None if plan.probe else self.drafter.match(self.out.ids, plan.draft_tokens)
 
     @property
     def drafter(self) -> Speculator:
@@ -342,10 +339,10 @@ class Decoder:
         for sequence, outcome in zip(batch, outcomes):
             sequence.stats.verify_s += verifying.seconds
             sequence.stats.wait_s += waiting.seconds
-            verified, matched = sequence.verified, sequence.round_proposal.matched
+            verified = sequence.verified
             hit = sequence.commit(outcome, speculations.get(id(sequence)))
             report.sequences.append(SequenceRound(sequence.acceptance, sequence.greedy, verified, outcome.accepted, hit,
-                                                  sequence.asked, matched))
+                                                  sequence.asked))
         return report
 
     def prespeculate(self, batch: list[Sequence]) -> list[SpeculationCache]:
