@@ -217,7 +217,9 @@ class Speculator:
 
     def observe_round(self, ids: list[int], draft: Draft, accepted: int) -> None:
         """After a round that verified `draft` and committed up to `ids`: what each source
-        had accepted, for `LeadChoice`."""
+        had accepted, for `LeadChoice` (nothing to weigh for a draft without an n-gram lead)."""
+        if self.engine.info.ngram_lead is None:
+            return
         if not draft.matched:  # per token drafted until the first rejection, as for the matches below
             self.lead.observe(False, min(accepted + 1, len(draft)), accepted)
         if self._found is not None:
