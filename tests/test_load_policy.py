@@ -29,7 +29,7 @@ from saguaro.runtime.control.load_policy import (
     probe_period,
 )
 from saguaro.runtime.control.round_price import TRIAL_FOLLOWING, RoundPrice
-from saguaro.runtime.control.round_report import Plan, RoundReport, undrafted_reason
+from saguaro.runtime.control.round_report import Plan, RoundReport, SequenceRound, undrafted_reason
 from saguaro.runtime.control.sessions import TRIAL_PERIOD, SessionChoice
 from saguaro.runtime.core.contracts import Rows, Step
 from saguaro.runtime.core.options import DecodeOptions
@@ -51,6 +51,9 @@ class FakeSequence:  # what the policy reads of a `decoding.Sequence`
     draft_lag: int = 0
     acceptance: Acceptance = field(default_factory=Acceptance)
     plan: Plan = field(default_factory=lambda: Plan(4))  # the last round's
+    may_match: bool = False  # its rounds may be drafted by n-gram matches
+    match_rate: float = 1.0  # ... in this share of the rounds asked
+    matched_acceptance: Acceptance = field(default_factory=Acceptance)
 
 
 def measured(intercept_s: float, per_token_s: float) -> CostCurve:
@@ -240,6 +243,63 @@ def test_k_follows_load():
     crowded = {plan.draft_tokens for plan in policy.choose([FakeSequence() for _ in range(16)])}
     assert alone >= 2 and max(crowded) < alone
     assert policy.choose([FakeSequence()])[0].draft_tokens == alone
+
+
+def matches_measured(policy: LoadPolicy, acceptance: float) -> None:
+    shared = policy.shared_matched[True]  # as if many matched rounds accepted each depth with `acceptance`
+    shared.verified, shared.accepted = [1000.0] * 4, [1000.0 * acceptance] * 4
+
+
+def test_n_gram_matches_are_priced_apart_with_no_draft_forward():
+    """A draft model that does not pay at one stream (SmolLM2's head: a round of K = 1
+    costs a draft step of a quarter of the target's and accepts a third) leaves its K at 0,
+    while the request's n-gram matches, which cost no draft forward and are accepted 8
+    times in 10, draft; under a compute-bound load neither does, and a request without
+    n-gram matches drafts none."""
+    def policy(verify: CostCurve) -> LoadPolicy:
+        chosen = policy_with(verify, measured(0.003, 0.0001), acceptance=0.3)
+        matches_measured(chosen, 0.8)
+        return chosen
+
+    one_stream = policy(measured(0.0088, 0.0003))
+    plan = one_stream.choose([FakeSequence(may_match=True)])[0]
+    assert plan.draft_tokens == 0 and plan.matched_tokens == 4
+    assert one_stream.choose([FakeSequence(may_match=False)])[0].matched_tokens == 0
+    pinned = one_stream.choose([FakeSequence(may_match=True, adapts=False, steered=False)])[0]
+    assert pinned.draft_tokens == 4 and pinned.matched_tokens == 0  # a pinned K is its own, matched or not
+    compute_bound = policy(measured(0.0001, 0.001))
+    assert {plan.matched_tokens for plan in compute_bound.choose([FakeSequence(may_match=True)] * 16)} == {0}
+    poor_matches = policy(measured(0.0088, 0.0003))
+    matches_measured(poor_matches, 0.02)
+    assert poor_matches.choose([FakeSequence(may_match=True)])[0].matched_tokens == 0
+
+
+def test_matched_rounds_are_counted_apart_from_the_models():
+    policy = policy_with(measured(0.0088, 0.0003), measured(0.003, 0.0001), acceptance=0.3)
+    sequence = FakeSequence(may_match=True)
+    report = RoundReport(1, 5, 0.009, True, undrafted=None)
+    report.sequences.append(SequenceRound(sequence.matched_acceptance, True, 4, 4, None, 4, matched=True))
+    before = list(policy.shared[True].verified)
+    policy.observe_round(report)
+    assert sequence.matched_acceptance.verified == [1.0] * 4 and sequence.acceptance.verified == []
+    assert policy.shared_matched[True].verified == [1.0] * 4 and policy.shared[True].verified == before
+
+
+def test_the_clock_weighs_letting_matches_draft_and_its_veto_stops_them():
+    """Matches the price lets draft at 4 streams, where each verifies every row as wide as
+    the widest (bench pair: 6.98 ms for rounds of 4 rows x 3 against 4.05 for 4 x 1) and
+    committed 5.2 tokens a round against 4: the rounds that may draft them count as
+    drafting for the clock, and where those measured slower they draft nothing."""
+    policy = policy_with(measured(0.0088, 0.0003), measured(0.003, 0.0001), acceptance=0.3)
+    matches_measured(policy, 0.8)
+    batch = [FakeSequence(may_match=True) for _ in range(4)]
+    assert all(plan.matched_tokens for plan in policy.choose(batch))
+    for _ in range(20):  # drafting matches measured slower than drafting nothing at 4 requests
+        policy.clock.observe(4, True, 5, 0.0077)
+        policy.clock.observe(4, False, 4, 0.0042)
+    plans = policy.choose(batch)
+    assert [plan.matched_tokens for plan in plans] == [0] * 4 and policy.clock.sizes[4].vetoed
+    assert [plan.matched_tokens for plan in policy.choose(batch[:1])] != [0]  # one request: not vetoed there
 
 
 def test_a_request_whose_drafts_are_rejected_drafts_less():

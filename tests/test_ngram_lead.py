@@ -103,22 +103,29 @@ def test_a_round_scores_the_match_it_found_against_what_was_committed(led):
     assert speculator.lead.verified[True] == pytest.approx(LEAD_FADING * 2 + 3)
 
 
-def test_a_match_drafts_the_plans_k_only_where_the_policy_drafts(led):
+def test_a_match_drafts_the_k_the_policy_priced_for_matches(led):
     ids = led.encode(REPEATING_TEXT)
     sequence = Sequence(led.request(ids, DecodeOptions(mode="ssd", num_draft_tokens=4, adapt_k=True), GREEDY),
                         led.target, led.draft)
-    sequence.prepare(Plan(0))  # the policy drafts nothing: neither do the matches (under load it must not)
+    sequence.prepare(Plan(2))  # the policy priced no K for matches (under load they must not draft)
+    assert sequence.proposal is None  # left to the model's drafting
+    sequence.prepare(Plan(0))
     assert sequence.proposal is sequence.empty
-    sequence.prepare(Plan(1, probe=True))  # a probe measures the model: no match
+    sequence.prepare(Plan(1, probe=True, matched_tokens=3))  # a probe measures the model: no match
     assert sequence.proposal is None
-    sequence.prepare(Plan(2))
-    assert sequence.proposal is not None and sequence.proposal.matched and sequence.round_draft_tokens == 2
+    sequence.prepare(Plan(0, undrafted="priced", matched_tokens=3))  # the model does not pay, matches do
+    assert sequence.proposal is not None and sequence.proposal.matched and sequence.round_draft_tokens == 3
+    assert sequence.plan.draft_tokens == 3 and sequence.plan.undrafted is None  # the round drafts
     assert not sequence.speculates  # the model's cache has not seen the match: no branches
+    pinned = Sequence(led.request(ids, DecodeOptions(mode="ssd", num_draft_tokens=4, adapt_k=False), GREEDY),
+                      led.target, led.draft)
+    pinned.prepare(Plan(4))  # K pinned: matches draft it
+    assert pinned.proposal is not None and pinned.proposal.matched and pinned.round_draft_tokens == 4
     fresh = Sequence(led.request([21, 22, 23, 24], DecodeOptions(mode="ssd", num_draft_tokens=4, adapt_k=True),
                                  GREEDY), led.target, led.draft)
-    fresh.prepare(Plan(2))
+    fresh.prepare(Plan(2, matched_tokens=2))
     assert fresh.proposal is None  # no match: left to the model's drafting
-    for each in (sequence, fresh):
+    for each in (sequence, pinned, fresh):
         each.finish()
 
 

@@ -2,7 +2,8 @@
 decoder measures as it runs:
 
     verify(N)   one target verification over N tokens (N = sum of K_r + 1; for a draft that
-                may propose fewer than asked, the n-gram draft, its expected proposals + 1)
+                may propose fewer than asked, the n-gram draft, its expected proposals + 1;
+                for a target that pads rows, rows x the widest: `verify_size`)
     draft(R)    one step of ordinary drafting for R requests
     start(R)    what a round's ordinary drafting takes beyond its steps (its first, cold
                 forward; setting the drafts up): a + b R
@@ -28,6 +29,8 @@ decoder measures as it runs:
                 modelled of what the drafting rounds of n requests added (`costs.Misprediction`:
                 what no curve holds; fading toward 1 over rounds that draft nothing, which
                 measure it not)
+                A request whose drafts are n-gram matches (`Candidate.free`) adds its K_r to
+                the verification and nothing else: no draft forward runs for it.
 
 Every curve starts from the engines' calibration (`control.calibration`) and follows the
 measured rounds after that, old measurements fading.
@@ -52,8 +55,9 @@ class RoundPrice:
     """The cost curves, host work and misprediction factors, and T(K) from them. `sessions`:
     the policy's choice of the session a round without pre-speculation verifies on."""
 
-    def __init__(self, sessions: SessionChoice):
-        self.sessions = sessions
+    def __init__(self, sessions: SessionChoice, padded: bool = False):
+        """`padded`: the target pads a batch's rows to the widest (`EngineInfo.pads_rows`)."""
+        self.sessions, self.padded = sessions, padded
         self.verify_cost, self.draft_cost, self.tree_cost = CostCurve(), CostCurve(), CostCurve()
         self.alone_cost = CostCurve()  # verify(N) with nothing of the draft's beside it (`run_alone`)
         # what a round's ordinary drafting takes beyond its steps at `draft_cost`: its first
@@ -156,8 +160,9 @@ class RoundPrice:
         the verification, so the target verifies alone, on both cores (`alone_cost`)."""
         drafting = [(c, k) for c, k in zip(candidates, ks) if k]
         speculating = [k for c, k in drafting if c.prespeculating]
-        verify = self.verify_seconds(verified_tokens(candidates, ks), alone=not speculating)
+        verify = self.verify_seconds(self.verify_size(candidates, ks), alone=not speculating)
         host = self.host_seconds(len(candidates), drafting=bool(drafting), speculating=bool(speculating))
+        drafting = [(c, k) for c, k in drafting if not c.free]
         if not drafting:
             return verify + host
         hits = [c.hit if c.prespeculating else 0.0 for c, _ in drafting]
@@ -198,6 +203,9 @@ class RoundPrice:
         per_row = self.tree_cost(rows) / rows
         return per_row * sum(extra / c.rounds_left(k) for c, k, extra in behind)
 
+    def verify_size(self, candidates, ks) -> float:
+        return verify_size(candidates, ks, self.padded)
+
     def verify_seconds(self, tokens: float, alone: bool) -> float:
         """A verification of `tokens`; `alone`: with nothing of the draft's beside it, on
         the session such rounds use (`SessionChoice.wide`)."""
@@ -219,14 +227,23 @@ class RoundPrice:
         speculating = [k for c, k in zip(candidates, ks) if c.prespeculating and k]
         if not speculating:
             return 0
-        verify = self.verify_cost(verified_tokens(candidates, ks))
+        verify = self.verify_cost(self.verify_size(candidates, ks))
         return max(1, hidden_branches(verify, self.tree_cost, steps=max(speculating) + 1, requests=len(speculating)))
 
 
-def verified_tokens(candidates: list[Candidate], ks: list[int]) -> float:
-    """The tokens a round's verification is expected to take (N = sum of K_r + 1 for drafts
-    that propose every token asked)."""
-    return sum(c.verified_tokens(k) for c, k in zip(candidates, ks))
+def verify_size(candidates: list[Candidate], ks: list[int], padded: bool) -> float:
+    """The size a round's verification is expected to cost as (`round_report.verify_size`):
+    the tokens it takes (N = sum of K_r + 1 for drafts that propose every token asked), or
+    for a target that pads rows, rows x the widest row, which a row of n-gram matches is
+    when some request's match drafts (its chance, `Candidate.matching`, against all)."""
+    if not padded:
+        return sum(c.verified_tokens(k) for c, k in zip(candidates, ks))
+    width = max((c.widest(k) for c, k in zip(candidates, ks) if not c.free), default=1.0)
+    matched = [(c, k) for c, k in zip(candidates, ks) if c.free and k]
+    if matched:
+        some_match = 1.0 - math.prod(1.0 - c.matching for c, _ in matched)
+        width = max(width, 1.0 + some_match * (max(c.widest(k) for c, k in matched) - 1.0))
+    return len(candidates) * width
 
 
 def prespeculates(candidates: list[Candidate], ks: list[int]) -> bool:
@@ -251,13 +268,23 @@ class Candidate:
     room: int = 1 << 30  # output tokens it may still make
     # proposing[i]: P(the draft proposes at least i tokens); empty: every token asked (a model)
     proposing: list[float] = field(default_factory=list)
+    # its drafts are n-gram matches (`EngineInfo.ngram_lead`): no forward of the draft, so
+    # no draft steps, catch-up or pre-speculation to price, only the wider verification,
+    # in the rounds where a match is found and leads (`matching` of them; the others verify
+    # its last token alone)
+    free: bool = False
+    matching: float = 1.0
 
     def expected_tokens(self, k: int) -> float:
-        return sum(self.reach[:k + 1])
+        return 1 + self.matching * (sum(self.reach[:k + 1]) - 1)
 
     def verified_tokens(self, k: int) -> float:
         """Tokens a verification takes for it at K = `k`: its last token and the drafts
         it is expected to propose."""
+        return 1 + self.matching * (self.widest(k) - 1)
+
+    def widest(self, k: int) -> float:
+        """... in a round where it drafts (for n-gram matches: where one is found)."""
         return 1 + (sum(self.proposing[1:k + 1]) if self.proposing else k)
 
     def rounds_left(self, k: int) -> float:

@@ -20,6 +20,9 @@ class Plan:
     probe: bool = False          # drafts only so that acceptance is measured (speculation is off)
     rejected_probes: int = 0     # probes in a row, since speculation was last on, that accepted nothing
     undrafted: str | None = None  # K = 0 for a request that may draft: why (UNDRAFTED_REASONS)
+    # drafts a round that n-gram matches lead may verify (`EngineInfo.ngram_lead`), priced
+    # apart from the model's: such a round runs no forward of the draft
+    matched_tokens: int = 0
 
 
 # Why a round drafted nothing, the most telling first: the clock overruled the model's
@@ -37,6 +40,12 @@ def undrafted_reason(plans) -> str | None:
     return next((reason for reason in UNDRAFTED_REASONS if reason in reasons), "asked")
 
 
+def verify_size(widths: list[int], padded: bool) -> int:
+    """The size a verification of rows of `widths` tokens costs as: the tokens fed, or
+    for a target that pads rows to the widest (`EngineInfo.pads_rows`), rows x that width."""
+    return len(widths) * max(widths, default=0) if padded else sum(widths)
+
+
 @dataclass
 class SequenceRound:
     """One request's part of a round: its acceptance counts, the drafts verified and
@@ -48,6 +57,7 @@ class SequenceRound:
     accepted: int
     hit: bool | None = None
     asked: int | None = None  # drafts asked for that the draft could have proposed (None: `verified`)
+    matched: bool = False     # its drafts were n-gram matches (`acceptance` is then the matches')
 
 
 @dataclass
@@ -55,7 +65,7 @@ class RoundReport:
     """What one round of the decoding loop measured, handed to its observers at once."""
 
     requests: int
-    verified_tokens: int                  # tokens the target's verification fed
+    verified_tokens: int                  # the verification's size (`verify_size`)
     verify_s: float
     alone: bool                           # verified on the wide session, nothing beside it
     wait_s: float = 0.0                   # for the draft worker after the verification
@@ -71,3 +81,8 @@ class RoundReport:
     @property
     def drafted(self) -> bool:
         return self.undrafted is None
+
+    @property
+    def matched(self) -> bool:
+        """Some request verified n-gram matches, which the load policy priced apart."""
+        return any(sequence.matched for sequence in self.sequences)

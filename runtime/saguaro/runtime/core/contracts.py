@@ -97,6 +97,10 @@ class EngineInfo:
     # the matches that draft a round alone, with no forward of the model, where one proposes
     # its first token (`Speculator.match`); None: every round is the model's
     ngram_lead: tuple[int, int] | None = None
+    # A batched forward pads every row to the widest row's tokens (ONNX Runtime engines'
+    # `[B, S]` inputs), so a verification costs rows x that width, not the tokens fed: one
+    # row of 5 among 16 of 1 made it cost as 80 (`RoundReport.verified_tokens`)
+    pads_rows: bool = False
 
     @property
     def eos_token_id(self) -> int | None:
@@ -260,7 +264,7 @@ class Draft:
 
     tokens: torch.Tensor         # [K] int64
     probs: torch.Tensor | None   # [K, V]
-    logits: torch.Tensor         # [K, V]
+    logits: torch.Tensor         # [K, V]; [K, 0] for n-gram matches (no branches grow from them)
     # a feature draft's own features at the rows the tokens were drafted from (row i: the
     # feature of the position before token i); None from other drafts
     hidden: torch.Tensor | None = None  # [K, hidden]

@@ -19,13 +19,13 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 from typing import Sequence as Seq
 
 from saguaro.runtime.control.acceptance import Acceptance
 from saguaro.runtime.control.load_policy import LoadPolicy
-from saguaro.runtime.control.round_report import Plan, RoundReport, SequenceRound, undrafted_reason
+from saguaro.runtime.control.round_report import Plan, RoundReport, SequenceRound, undrafted_reason, verify_size
 from saguaro.runtime.core.contracts import Draft, RequestTarget, SpeculationCache, VerifyResult, VerifyStep, draft_cache_capacity
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
@@ -117,6 +117,7 @@ class Sequence:
         self.proposal: Draft | None = None if self.k else self.empty
         self.after_hit = False  # the proposal is a hit's pre-speculated branch
         self.greedy, self.acceptance = request.sampling.greedy, Acceptance()
+        self.matched_acceptance = Acceptance()  # of its n-gram matches' rounds (`EngineInfo.ngram_lead`)
         self.plan = Plan(self.k)  # the load policy's, each round
         self.verified = 0               # drafts the last round verified
         self.asked = 0                  # ... and the drafts it asked for that the draft could have proposed
@@ -162,19 +163,34 @@ class Sequence:
         return self.proposal.prefix(self.round_draft_tokens)
 
     def prepare(self, plan: Plan) -> None:
-        """Take the round's plan. A sequence that drafts this round and has no draft yet
-        (the last round drafted none, or its speculation missed) takes an n-gram match of
-        the plan's K where one leads (`Speculator.match`; not in a probe, which measures the
-        model), else is left without a proposal, for `Decoder.draft_misses`; one that drafts
-        nothing gets the empty draft. Matches draft only where the load policy drafts: under
-        load, verifying every sequence's chain whatever the policy chose halved batched
-        throughput at 16 streams."""
+        """Take the round's plan. A sequence without a draft yet (the last round drafted
+        none, or its speculation missed) takes an n-gram match where one leads
+        (`Speculator.match`), of the K the policy priced for matches (`Plan.matched_tokens`)
+        or, K pinned, of its own, and the round's plan drafts that; else, if the plan
+        drafts, it is left without a proposal, for `Decoder.draft_misses`; else it gets the
+        empty draft. Not in a probe, which measures the model."""
         self.plan = plan
         if self.speculator is not None and (self.proposal is None or not len(self.proposal)):
-            if not plan.draft_tokens:
-                self.proposal = self.empty
-            else:
-                self.proposal = None if plan.probe else self.drafter.match(self.out.ids, plan.draft_tokens)
+            k = plan.matched_tokens if self.adapts else plan.draft_tokens
+            matched = None if plan.probe or not k else self.drafter.match(self.out.ids, k)
+            if matched is not None:
+                self.plan = replace(plan, draft_tokens=k, undrafted=None)
+            self.proposal = matched or (None if plan.draft_tokens else self.empty)
+
+    @property
+    def may_match(self) -> bool:
+        """Its rounds may be drafted by n-gram matches (`EngineInfo.ngram_lead`)."""
+        return self.speculator is not None and self.speculator.engine.info.ngram_lead is not None
+
+    @property
+    def match_rate(self) -> float:
+        """How often a round asked for a match got one (`Speculator.match_rate`)."""
+        return self.speculator.match_rate if self.speculator is not None else 0.0
+
+    @property
+    def round_acceptance(self) -> Acceptance:
+        """The counts this round's drafts are scored in: the matches' or the model's."""
+        return self.matched_acceptance if self.round_proposal.matched else self.acceptance
 
     @property
     def drafter(self) -> Speculator:
@@ -316,7 +332,7 @@ class Decoder:
         drafting_s, drafting, caught_up = self.draft_misses(batch)
         speculating = [s for s in batch if s.speculates]
         steps = [s.verification() for s in batch]  # before the worker starts: it competes for the GIL
-        tokens = sum(len(step.step.tokens) for step in steps)
+        tokens = verify_size([len(step.step.tokens) for step in steps], self.target.info.pads_rows)
         alone = self.alone and not speculating and self.load_policy.sessions.runs_alone(tokens)
         # no hand-off to the worker for nothing: waking it costs a tiny engine's round a tenth
         pending = speculating and self.worker.submit(beside_the_target, self.prespeculate, speculating)
@@ -339,10 +355,10 @@ class Decoder:
         for sequence, outcome in zip(batch, outcomes):
             sequence.stats.verify_s += verifying.seconds
             sequence.stats.wait_s += waiting.seconds
-            verified = sequence.verified
+            verified, acceptance, matched = sequence.verified, sequence.round_acceptance, sequence.round_proposal.matched
             hit = sequence.commit(outcome, speculations.get(id(sequence)))
-            report.sequences.append(SequenceRound(sequence.acceptance, sequence.greedy, verified, outcome.accepted, hit,
-                                                  sequence.asked))
+            report.sequences.append(SequenceRound(acceptance, sequence.greedy, verified, outcome.accepted, hit,
+                                                  sequence.asked, matched))
         return report
 
     def prespeculate(self, batch: list[Sequence]) -> list[SpeculationCache]:

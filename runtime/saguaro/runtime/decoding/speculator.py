@@ -37,7 +37,7 @@ import torch
 from saguaro.plugins.branch_draft.reference import commit_indices, feasible_fanout, step_mask
 from saguaro.runtime.core.contracts import Draft, Rows, SpeculationCache, Step
 from saguaro.runtime.core.ngram import matched_chain
-from saguaro.runtime.core.sampling import NOT_PROPOSED, SaguaroSampling, SamplingParams, pick_tokens
+from saguaro.runtime.core.sampling import SaguaroSampling, SamplingParams, pick_tokens
 
 _R = TypeVar("_R")
 Forwards = Generator[Step, Rows, _R]  # yields steps, receives their rows, returns an _R
@@ -148,6 +148,9 @@ class Speculator:
         self.features = DraftFeatures(engine) if engine.info.reads_features else None
         self.lead = LeadChoice()
         self._found: tuple[int, list[int]] | None = None  # this round's match: (context length, its chain)
+        # rounds a match drafted, of the rounds one was asked for (fading as `LeadChoice`;
+        # from one in two), for the load policy's price of matches (`match_rate`)
+        self._matched_rounds, self._asked_rounds = 1.0, 2.0
 
     def release(self) -> None:
         self.cache.release()
@@ -205,15 +208,29 @@ class Speculator:
         of the model (its cache catches up later, as after rounds that drafted nothing);
         None where nothing proposes the first token, and the model drafts."""
         lead = self.engine.info.ngram_lead
-        tokens = [] if lead is None or k == 0 else matched_chain(np.asarray(ids), k, *lead)
-        self._found = (len(ids), tokens) if tokens else None
-        if not tokens or not self.lead.matches_lead:
+        if lead is None or k == 0:
             return None
+        tokens = matched_chain(np.asarray(ids), k, *lead)
+        self._found = (len(ids), tokens) if tokens else None
+        leads = bool(tokens) and self.lead.matches_lead
+        self._matched_rounds = LEAD_FADING * self._matched_rounds + leads
+        self._asked_rounds = LEAD_FADING * self._asked_rounds + 1
+        if not leads:
+            return None
+        chain = torch.tensor(tokens)
         # q is one-hot: verification accepts a sampled proposal x with probability p(x)
-        logits = torch.full((len(tokens), self.engine.info.vocab_size), NOT_PROPOSED)
-        logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 0.0
-        probs = None if self.sampling.greedy else (logits == 0).float()
-        return Draft(torch.tensor(tokens), probs, logits, stopped=len(tokens) < k, matched=True)
+        probs = None
+        if not self.sampling.greedy:
+            probs = torch.zeros(len(tokens), self.engine.info.vocab_size)
+            probs[torch.arange(len(tokens)), chain] = 1.0
+        # no logits: only branch keys read a draft's, and no branches grow from a match
+        # (a [K, V] tensor of them had cost a round of 4 streams a tenth of a millisecond)
+        return Draft(chain, probs, torch.empty(len(tokens), 0), stopped=len(tokens) < k, matched=True)
+
+    @property
+    def match_rate(self) -> float:
+        """How often a round asked for a match got one (found, and leading)."""
+        return self._matched_rounds / self._asked_rounds
 
     def observe_round(self, ids: list[int], draft: Draft, accepted: int) -> None:
         """After a round that verified `draft` and committed up to `ids`: what each source

@@ -361,7 +361,7 @@ def open_engine(engine_dir: Path, role: str, manifest: dict, tokenizer, threads:
     wide = alone_settings(settings)
     model_path = engine_dir / model["graphs"]["model"]["engine"]
     open_alone = None if wide is None else (lambda: open_session(model_path, wide))
-    info = engine_info("onnxruntime", engine_dir, role, manifest)
+    info = replace(engine_info("onnxruntime", engine_dir, role, manifest), pads_rows=True)  # `pack_steps`
     if is_feature_draft(model):
         return OnnxRuntimeFeatureDraft(sessions, info, tokenizer, model["shape"], slot_capacity(role, manifest))
     return OnnxRuntimeEngine(sessions, info, tokenizer, model["shape"], slot_capacity(role, manifest), open_alone)
