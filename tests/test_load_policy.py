@@ -28,8 +28,8 @@ from saguaro.runtime.control.load_policy import (
     LoadPolicy,
     probe_period,
 )
-from saguaro.runtime.control.round_price import TRIAL_FOLLOWING, RoundPrice
-from saguaro.runtime.control.round_report import Plan, RoundReport, SequenceRound, undrafted_reason
+from saguaro.runtime.control.round_price import TRIAL_FOLLOWING, Candidate, RoundPrice
+from saguaro.runtime.control.round_report import Plan, RoundReport, SequenceRound, undrafted_reason, verify_size
 from saguaro.runtime.control.sessions import TRIAL_PERIOD, SessionChoice
 from saguaro.runtime.core.contracts import Rows, Step
 from saguaro.runtime.core.options import DecodeOptions
@@ -283,6 +283,21 @@ def test_matched_rounds_are_counted_apart_from_the_models():
     policy.observe_round(report)
     assert sequence.matched_acceptance.verified == [1.0] * 4 and sequence.acceptance.verified == []
     assert policy.shared_matched[True].verified == [1.0] * 4 and policy.shared[True].verified == before
+
+
+def test_a_target_that_pads_rows_prices_a_verification_by_its_widest_row():
+    """ONNX Runtime engines pad a batch's rows to the widest (`pack_steps`): in one process
+    on the bench engines a round of 16 rows, a few of them verifying 4 n-gram matches,
+    took 22-24 ms against 9-10 for 16 rows of one token, where the tokens fed (25 against
+    16) had priced it at 1.5 times."""
+    assert verify_size([1, 5, 1, 1], padded=True) == 20 and verify_size([1, 5, 1, 1], padded=False) == 8
+    model = Candidate(4, True, True, [1.0] * 5, [1.0] * 5, 0.0, False)
+    assert RoundPrice(SessionChoice(), padded=True).verify_size([model] * 4, [0, 4, 0, 0]) == 20
+    assert RoundPrice(SessionChoice()).verify_size([model] * 4, [0, 4, 0, 0]) == 8
+    matches = replace(model, free=True, matching=0.5)  # a match leads half its rounds
+    # rows as wide as a match's when any of the four finds one (15 in 16 rounds)
+    assert RoundPrice(SessionChoice(), padded=True).verify_size([matches] * 4, [2] * 4) == pytest.approx(4 * 2.875)
+    assert RoundPrice(SessionChoice()).verify_size([matches] * 4, [2] * 4) == pytest.approx(4 * 2)
 
 
 def test_the_clock_weighs_letting_matches_draft_and_its_veto_stops_them():

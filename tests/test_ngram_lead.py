@@ -161,10 +161,12 @@ def test_greedy_output_on_compiled_engines_is_the_targets(tiny_engines, monkeypa
         prompt = pipeline.encode(REPEATING_TEXT)
         alone = pipeline.generate(prompt, DecodeOptions(mode="autoregressive", max_tokens=32), GREEDY)
         matched = count_matches(monkeypatch)
-        for mode in ("speculative", "ssd"):
-            drafted = pipeline.generate(prompt, DecodeOptions(mode=mode, num_draft_tokens=3, max_tokens=32), GREEDY)
-            assert drafted.output_ids == alone.output_ids, mode
-        assert matched[0] > 0
+        for mode, adapt_k in (("speculative", False), ("ssd", False), ("ssd", True)):
+            options = DecodeOptions(mode=mode, num_draft_tokens=3, max_tokens=32, adapt_k=adapt_k)
+            drafted = pipeline.generate(prompt, options, GREEDY)
+            assert drafted.output_ids == alone.output_ids, (mode, adapt_k)
+            assert matched[0] > 0, (mode, adapt_k)  # with the load policy too: matches priced apart draft
+            matched[:] = [0, 0]
     finally:
         pipeline.close()
 
