@@ -188,11 +188,6 @@ class Sequence:
         return self.speculator.match_rate if self.speculator is not None else 0.0
 
     @property
-    def round_acceptance(self) -> Acceptance:
-        """The counts this round's drafts are scored in: the matches' or the model's."""
-        return self.matched_acceptance if self.round_proposal.matched else self.acceptance
-
-    @property
     def drafter(self) -> Speculator:
         """The speculator, of a sequence that drafts (K > 0: the ones the rounds draft for)."""
         assert self.speculator is not None
@@ -355,10 +350,11 @@ class Decoder:
         for sequence, outcome in zip(batch, outcomes):
             sequence.stats.verify_s += verifying.seconds
             sequence.stats.wait_s += waiting.seconds
-            verified, acceptance, matched = sequence.verified, sequence.round_acceptance, sequence.round_proposal.matched
+            verified, matched = sequence.verified, sequence.round_proposal.matched
             hit = sequence.commit(outcome, speculations.get(id(sequence)))
-            report.sequences.append(SequenceRound(acceptance, sequence.greedy, verified, outcome.accepted, hit,
-                                                  sequence.asked, matched))
+            report.sequences.append(SequenceRound(sequence.matched_acceptance if matched else sequence.acceptance,
+                                                  sequence.greedy, verified, outcome.accepted, hit, sequence.asked,
+                                                  matched))
         return report
 
     def prespeculate(self, batch: list[Sequence]) -> list[SpeculationCache]:
