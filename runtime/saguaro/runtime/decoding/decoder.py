@@ -213,8 +213,8 @@ class Sequence:
     def speculates(self) -> bool:
         """Pre-speculates this round: an ssd sequence with drafts to verify that the draft
         model drafted (not n-gram matches alone)."""
-        return (self.prespeculating and self.plan.prespeculate and self.round_draft_tokens > 0
-                and not self.round_proposal.matched)
+        return (self.prespeculating and self.plan.prespeculate and self.plan.draft_tokens > 0
+                and self.round_draft_tokens > 0 and not self.round_proposal.matched)
 
     def verification(self) -> VerifyStep:
         self.verified = self.round_draft_tokens
@@ -350,7 +350,7 @@ class Decoder:
         for sequence, outcome in zip(batch, outcomes):
             sequence.stats.verify_s += verifying.seconds
             sequence.stats.wait_s += waiting.seconds
-            verified, matched = sequence.verified, sequence.round_proposal.matched
+            verified, matched = sequence.verified, sequence.verified > 0 and sequence.round_proposal.matched
             hit = sequence.commit(outcome, speculations.get(id(sequence)))
             report.sequences.append(SequenceRound(sequence.matched_acceptance if matched else sequence.acceptance,
                                                   sequence.greedy, verified, outcome.accepted, hit, sequence.asked,
