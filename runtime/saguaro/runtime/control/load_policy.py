@@ -353,7 +353,7 @@ class LoadPolicy:
         match is found round by round: held to the model's K, matches drafted nothing
         where the model did not pay (SmolLM2 chat at one stream: 96% of rounds at K = 0);
         drafting the request's whole K there, 16 streams ran at 0.46x batched AR."""
-        leading = [index for index, sequence in enumerate(batch) if sequence.adapts and sequence.may_match]
+        leading = {index for index, sequence in enumerate(batch) if sequence.adapts and sequence.may_match}
         if not leading:
             return 0
         trial = list(candidates)
@@ -470,12 +470,13 @@ class LoadPolicy:
 
 
 def with_matched_tokens(plans: list[Plan], batch, matched_k: int) -> list[Plan]:
-    """The plans, each request that adapts allowed `matched_k` drafts in a round that
-    n-gram matches lead (none in a probe, which measures the model)."""
+    """The plans, each request that adapts and may draft n-gram matches allowed `matched_k`
+    of them in a round that a match leads (none in a probe, which measures the model)."""
     if not matched_k:
         return plans
     return [replace(plan, matched_tokens=min(matched_k, most_drafts(sequence)))
-            if sequence.adapts and not plan.probe else plan for plan, sequence in zip(plans, batch)]
+            if sequence.adapts and sequence.may_match and not plan.probe else plan
+            for plan, sequence in zip(plans, batch)]
 
 
 def rejected_probes(last: Plan, verified: int, accepted: int) -> int:

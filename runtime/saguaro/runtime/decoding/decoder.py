@@ -175,7 +175,9 @@ class Sequence:
             matched = None if plan.probe or not k else self.drafter.match(self.out.ids, k)
             if matched is not None:
                 self.plan = replace(plan, draft_tokens=k, undrafted=None)
-            self.proposal = matched or (None if plan.draft_tokens else self.empty)
+                self.proposal = matched
+            else:
+                self.proposal = None if plan.draft_tokens else self.empty
 
     @property
     def may_match(self) -> bool:
