@@ -430,16 +430,23 @@ class LoadPolicy:
             return None
         return [measured[min(depth, len(measured) - 1)] for depth in range(depths)]
 
+    @property
+    def catches_up(self) -> bool:
+        """Lagging draft caches may catch up beside a verification: not while nothing could
+        draft at this load (`_nothing_could_pay`), where a catch-up would serve no draft
+        (at 16 streams its waits, a forward of a shape ONNX Runtime had not run yet costing
+        several times a steady one, were 5-8% of a run), and the decoder need not look for
+        the lagging caches."""
+        return not self._hopeless
+
     def catch_up_share(self, tokens: int, requests: int) -> int:
         """Tokens each of `requests` lagging draft caches may catch up on while a
         verification of `tokens` runs beside it: what one draft forward takes in that time
         (at least one each), so that the target does not wait for it. Unbounded, the draft
         of 16 sequences that had drafted nothing for 32 rounds took longer than the
         verification, and the load policy fell a fifth behind autoregressive decoding.
-        None while nothing could draft at this load (`_nothing_could_pay`): the catch-up
-        would serve no draft, and at 16 streams its waits (a forward of a shape ONNX
-        Runtime had not run yet costs several times a steady one) were 5-8% of a run."""
-        if self._hopeless:
+        None unless caches may catch up (`catches_up`)."""
+        if not self.catches_up:
             return 0
         return self.price.hidden_catch_up(tokens, requests)
 

@@ -336,7 +336,7 @@ class Decoder:
         # the draft's core is free while a round without pre-speculation verifies on its own
         # core: sequences that draft nothing bring their draft caches up to date meanwhile,
         # so that a probe, or speculation coming back, has only the newest tokens to feed
-        lagging = [] if alone or speculating else [s for s in batch if s.draft_lags]
+        lagging = [] if alone or speculating or not self.load_policy.catches_up else [s for s in batch if s.draft_lags]
         share = lagging and self.load_policy.catch_up_share(tokens, len(lagging))
         catching = share and self.worker.submit(beside_the_target, lockstep, self.draft,
                                                 [s.drafter.catch_up(s.out.ids, share) for s in lagging])
