@@ -51,7 +51,7 @@ def test_placement_runs_every_placement_and_reports_both_modes(tiny_engines, tmp
     assert all(speeds and all(len(v) == 1 and v[0] > 0 for v in speeds.values()) for speeds in placements.values())
 
 
-def test_modes_run_interleaved_prompt_by_prompt_in_turned_order():
+def test_modes_run_interleaved_prompt_by_prompt_in_turned_order_each_pass_the_other_way_round():
     from types import SimpleNamespace
 
     from saguaro.benchmarks.bench import STAT_KEYS, run_interleaved
@@ -67,7 +67,7 @@ def test_modes_run_interleaved_prompt_by_prompt_in_turned_order():
     modes = [("a", "A"), ("b", "B"), ("c", "C")]
     totals = run_interleaved(Recorder(), ["p0", "p1", "p2", "p3"], modes, None)
     assert calls == [("p0", "A"), ("p0", "B"), ("p0", "C"), ("p1", "B"), ("p1", "C"), ("p1", "A"),
-                     ("p2", "C"), ("p2", "A"), ("p2", "B"), ("p3", "A"), ("p3", "B"), ("p3", "C")]
+                     ("p2", "C"), ("p2", "A"), ("p2", "B"), ("p3", "C"), ("p3", "B"), ("p3", "A")]
     assert list(totals) == ["a", "b", "c"]  # the table keeps the modes' order
     assert all(t["tokens"] == 40 and t["decode_tokens_per_s"] == 10.0 and t["accepted"] == 2.0
                for t in totals.values())
