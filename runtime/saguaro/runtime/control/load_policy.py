@@ -147,12 +147,13 @@ class LoadPolicy:
         # the model spreads that forward over the rounds it serves (`RoundPrice.catch_up_seconds`),
         # the round pays it whole, and at one stream (a prompt per request, stretches at
         # K = 0) such rounds held every drafting price 1.2-1.7x above what steady rounds take
-        if self._modelled is not None and report.drafted and not (report.caught_up or report.matched):
+        matched = report.matched
+        if self._modelled is not None and report.drafted and not (report.caught_up or matched):
             modelled, undrafted, speculating = self._modelled
             price.observe_drafted(speculating, report.requests, whole - undrafted, modelled - undrafted)
         elif not report.drafted:  # nothing measured it: what the last drafting rounds showed ages
             price.fade_misprediction()
-        if self._probe_priced is not None and not report.matched:
+        if self._probe_priced is not None and not matched:
             self.observe_probe(whole - self._probe_priced, self._probe_priced)
 
     def observe_period(self, seconds: float) -> None:
@@ -200,11 +201,10 @@ class LoadPolicy:
         if self._quiet_holds(batch):  # K = 0 held; matches as the clock lets them
             matches = self._matching(batch) and self.clock.allows(len(batch))
             self.clock.counts(matches)
-            plans = self._quiet_plans(batch)
-            assert self._kept is not None  # `_quiet_holds`
-            return with_matched_tokens(plans, batch, self._kept.matched_k if matches else 0)
+            return self._quiet_plans(batch, self._matched_tokens(matches))
         candidates, ks = self._chosen(batch, [self._candidate(sequence) for sequence in batch])
         ks, overruled, matches = self._clocked(candidates, ks, self._matching(batch))
+        matched_tokens = self._matched_tokens(matches)
         if any(ks):  # the choice drafts (a probe's round is priced apart): its price is checked
             self._modelled = (self.price.modelled_seconds(candidates, ks),
                               self.price.modelled_seconds(candidates, [0] * len(ks)), prespeculates(candidates, ks))
@@ -212,19 +212,24 @@ class LoadPolicy:
             self._since_probe[greedy] += 1
         branches = self.price.branch_rows(candidates, ks)
         plans = [Plan(k, c.prespeculating, branches if c.steered and c.prespeculating and k else None,
-                      undrafted=("clock" if clock else "priced") if c.adapts and c.most and not k else None)
+                      undrafted=("clock" if clock else "priced") if c.adapts and c.most and not k else None,
+                      matched_tokens=matched_tokens)
                  for c, k, clock in zip(candidates, ks, overruled)]
         plans = [self._probed(plan, sequence, candidates, ks, index)
                  for index, (plan, sequence) in enumerate(zip(plans, batch))]
         if any(plan.probe for plan in plans):
             self._probe_priced = self.price.seconds(candidates, ks)
-        assert self._kept is not None  # `_chosen`
-        return with_matched_tokens(plans, batch, self._kept.matched_k if matches else 0)
+        return plans
 
     def _matching(self, batch) -> bool:
         """The kept choice lets n-gram matches draft for some request that adapts."""
         kept = self._kept
         return kept is not None and kept.matched_k > 0 and any(s.adapts and s.may_match for s in batch)
+
+    def _matched_tokens(self, matches: bool) -> int:
+        """`Plan.matched_tokens` of the round: the kept choice's K for matches, where they may
+        draft (a request that may not, pins its K, or probes ignores it: `Sequence.prepare`)."""
+        return self._kept.matched_k if matches and self._kept is not None else 0
 
     def _clocked(self, candidates: list[Candidate], ks: list[int],
                  matching: bool = False) -> tuple[list[int], list[bool], bool]:
@@ -262,14 +267,15 @@ class LoadPolicy:
             kept.follow(batch)
         return True
 
-    def _quiet_plans(self, batch) -> list[Plan]:
+    def _quiet_plans(self, batch, matched_tokens: int) -> list[Plan]:
         """K = 0 for every request, and no probe (none could turn speculation on)."""
         assert self._kept is not None  # `_quiet_holds`
         self._kept.rounds_left -= 1
         for greedy in self._since_probe:
             self._since_probe[greedy] += 1
         return [Plan(0, sequence.prespeculating, quiet=sequence.plan.quiet + 1,
-                     rejected_probes=sequence.plan.rejected_probes, undrafted="held") for sequence in batch]
+                     rejected_probes=sequence.plan.rejected_probes, undrafted="held", matched_tokens=matched_tokens)
+                for sequence in batch]
 
     def _probed(self, plan: Plan, sequence, candidates: list[Candidate], ks: list[int], index: int) -> Plan:
         """With speculation off (K = 0 chosen for a request that may draft), the plan of a
@@ -474,16 +480,6 @@ class LoadPolicy:
                         ks, best = trial, rate
         return ks
 
-
-
-def with_matched_tokens(plans: list[Plan], batch, matched_k: int) -> list[Plan]:
-    """The plans, each request that adapts and may draft n-gram matches allowed `matched_k`
-    of them in a round that a match leads (none in a probe, which measures the model)."""
-    if not matched_k:
-        return plans
-    return [replace(plan, matched_tokens=min(matched_k, most_drafts(sequence)))
-            if sequence.adapts and sequence.may_match and not plan.probe else plan
-            for plan, sequence in zip(plans, batch)]
 
 
 def rejected_probes(last: Plan, verified: int, accepted: int) -> int:

@@ -3,7 +3,7 @@ decoder measures as it runs:
 
     verify(N)   one target verification over N tokens (N = sum of K_r + 1; for a draft that
                 may propose fewer than asked, the n-gram draft, its expected proposals + 1;
-                for a target that pads rows, rows x the widest: `verify_size`)
+                for a target that pads rows, rows x the widest: `RoundPrice.verify_size`)
     draft(R)    one step of ordinary drafting for R requests
     start(R)    what a round's ordinary drafting takes beyond its steps (its first, cold
                 forward; setting the drafts up): a + b R
@@ -204,7 +204,18 @@ class RoundPrice:
         return per_row * sum(extra / c.rounds_left(k) for c, k, extra in behind)
 
     def verify_size(self, candidates, ks) -> float:
-        return verify_size(candidates, ks, self.padded)
+        """The size a round's verification is expected to cost as (`round_report.verify_size`):
+        the tokens it takes (N = sum of K_r + 1 for drafts that propose every token asked), or
+        for a target that pads rows, rows x the widest row, which a row of n-gram matches is
+        when some request's match drafts (its chance, `Candidate.matching`, against all)."""
+        if not self.padded:
+            return sum(c.verified_tokens(k) for c, k in zip(candidates, ks))
+        width = max((c.widest(k) for c, k in zip(candidates, ks) if not c.free), default=1.0)
+        matched = [(c, k) for c, k in zip(candidates, ks) if c.free and k]
+        if matched:
+            some_match = 1.0 - math.prod(1.0 - c.matching for c, _ in matched)
+            width = max(width, 1.0 + some_match * (max(c.widest(k) for c, k in matched) - 1.0))
+        return len(candidates) * width
 
     def verify_seconds(self, tokens: float, alone: bool) -> float:
         """A verification of `tokens`; `alone`: with nothing of the draft's beside it, on
@@ -229,21 +240,6 @@ class RoundPrice:
             return 0
         verify = self.verify_cost(self.verify_size(candidates, ks))
         return max(1, hidden_branches(verify, self.tree_cost, steps=max(speculating) + 1, requests=len(speculating)))
-
-
-def verify_size(candidates: list[Candidate], ks: list[int], padded: bool) -> float:
-    """The size a round's verification is expected to cost as (`round_report.verify_size`):
-    the tokens it takes (N = sum of K_r + 1 for drafts that propose every token asked), or
-    for a target that pads rows, rows x the widest row, which a row of n-gram matches is
-    when some request's match drafts (its chance, `Candidate.matching`, against all)."""
-    if not padded:
-        return sum(c.verified_tokens(k) for c, k in zip(candidates, ks))
-    width = max((c.widest(k) for c, k in zip(candidates, ks) if not c.free), default=1.0)
-    matched = [(c, k) for c, k in zip(candidates, ks) if c.free and k]
-    if matched:
-        some_match = 1.0 - math.prod(1.0 - c.matching for c, _ in matched)
-        width = max(width, 1.0 + some_match * (max(c.widest(k) for c, k in matched) - 1.0))
-    return len(candidates) * width
 
 
 def prespeculates(candidates: list[Candidate], ks: list[int]) -> bool:
