@@ -107,6 +107,15 @@ class Sequence:
         self.out = Output(request, target.info.max_context)
         self.fanout_policy = options.fanout_policy(draft.info.max_branches)
         self.prespeculating = options.prespeculating
+        # K follows the load policy: a request that did not pin it, greedy or sampled. A
+        # sampled request's output is distributed as the target's for every K, but K changes
+        # which tokens a seed draws: its seed replays exactly when the same K are chosen, as
+        # with K pinned (`adapt_k` off: `--fixed-k`, or a request that names its K).
+        self.adapts = options.adapts
+        # its pre-speculation follows the load policy (on or off, how many branches): a
+        # request that lets the policy choose its K, or that asked for an "auto" budget
+        self.steered = options.steered
+        # (kept, not derived each time: the policy reads them of every request every round)
         self.verifier = Verifier(target, request.sampling, self.k)
         self.speculator: Speculator | None = None
         if self.k > 0:
@@ -132,20 +141,6 @@ class Sequence:
     def check_cancelled(self) -> None:
         if not self.done and self.request.cancelled():
             self.out.finish_reason = "cancelled"
-
-    @property
-    def adapts(self) -> bool:
-        """K follows the load policy: a request that did not pin it, greedy or sampled. A
-        sampled request's output is distributed as the target's for every K, but K changes
-        which tokens a seed draws: its seed replays exactly when the same K are chosen, as
-        with K pinned (`adapt_k` off: `--fixed-k`, or a request that names its K)."""
-        return self.request.options.adapts
-
-    @property
-    def steered(self) -> bool:
-        """Its pre-speculation follows the load policy (on or off, how many branches): a
-        request that lets the policy choose its K, or that asked for an "auto" budget."""
-        return self.request.options.steered
 
     @property
     def room(self) -> int:
