@@ -171,6 +171,9 @@ class LoadPolicy:
 
     def record_round(self, own: Acceptance, greedy: bool, verified: int, accepted: int,
                      asked: int | None = None, matched: bool = False) -> None:
+        if not (verified or asked):  # nothing to count; the request's last round is read by its probes
+            own.last = (0, 0)
+            return
         for counts in (own, (self.shared_matched if matched else self.shared)[greedy]):
             counts.record(verified, accepted, asked)
 
