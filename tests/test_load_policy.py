@@ -26,7 +26,6 @@ from saguaro.runtime.control.load_policy import (
     QUIET_ROUNDS,
     REPLAN_ROUNDS,
     LoadPolicy,
-    hopeful,
     probe_period,
 )
 from saguaro.runtime.control.round_price import TRIAL_FOLLOWING, Candidate, RoundPrice
@@ -1227,25 +1226,6 @@ def test_speculation_off_at_a_load_no_k_could_beat_holds_while_requests_join_and
     del batch[1:]
     policy.choose(batch)
     assert asked[-1] == 1 and len(weighed) == 2 * chosen_once  # ... so the smaller batch is weighed in full
-
-
-def test_whether_drafting_could_pay_is_asked_of_the_requests_together_on_padded_engines():
-    """Engines that pad a verification's rows to the widest: one request drafting alone
-    makes every row as wide as its own, so asked of one request, "could drafting pay at
-    this load" is no where all four drafting together pays (two streams of the bench pair
-    held hopeless at K = 0 where drafting had run 1.2-1.3x). It is asked of them together."""
-    policy = policy_with(measured(0.004, 0.001), measured(0.0002, 0.00001), acceptance=0.0)
-    policy.price.padded = True
-    batch = [FakeSequence() for _ in range(4)]
-    candidates = [policy._candidate(sequence) for sequence in batch]
-    chosen = policy._rate(candidates, [0] * 4)
-    one_alone = [hopeful(candidates[0], False)] + candidates[1:]
-    assert all(policy._rate(one_alone, [k, 0, 0, 0]) < chosen for k in range(1, 5))  # alone, it would not pay
-    together = [hopeful(candidate, False) for candidate in candidates]
-    assert policy._rate(together, [1] * 4) > chosen  # together, with the prior's drafts, it would
-    assert not policy._nothing_could_pay(candidates, [0] * 4)
-    policy.price.verify_cost = measured(0.0001, 0.002)  # a target past its compute bound: nothing could pay
-    assert policy._nothing_could_pay(candidates, [0] * 4)
 
 
 def test_a_requests_last_round_does_not_hold_the_next_request_at_k_0():

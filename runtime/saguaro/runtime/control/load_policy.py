@@ -311,42 +311,29 @@ class LoadPolicy:
         rejected = rejected_probes(last, verified, accepted)
         period = max(probe_period(rejected), self.probe_spacing)
         due = confirmed or (last.quiet + 1 >= period and self._since_probe[sequence.greedy] >= period)
-        if due and not self._hopeless and self._could_pay(candidates, ks):
+        if due and not self._hopeless and self._could_pay(candidates, ks, index):
             self._since_probe[sequence.greedy] = 0
             return Plan(min(PROBE_DRAFTS, candidate.most), prespeculate=False, probe=True, rejected_probes=rejected)
         return replace(plan, quiet=last.quiet + 1, rejected_probes=rejected)
 
-    def _could_pay(self, candidates: list[Candidate], ks: list[int]) -> bool:
-        """Whether the requests that adapt and draft nothing in the choice `ks`, drafting
-        the same K > 0 together, each with a draft as good as its kind's drafts measured or
-        the optimistic prior, whichever is better at each depth (`hopeful`), with
-        pre-speculation where each may pre-speculate and without, would beat the batch's
-        chosen rate. If not, no acceptance a probe could measure would turn speculation
-        back on, and its cost is saved: in a full batch on a compute-bound target, probes
-        (a draft step, the draft's cache caught up on every token it missed, a wider
-        verify) had cost the load policy a fifth of batched autoregressive speed. Asked with
-        the prior alone and without pre-speculation, the bench pair at one stream (drafts
-        accepted 0.83-0.93 a depth, and paying only pre-speculated) was found hopeless in
-        most rounds, probed nothing, and ran at autoregressive speed where K = 3 ran 1.15x
-        faster. Asked together, as the acceptance a probe measures is every such request's
-        (shared by its kind): on engines that pad a verification's rows to the widest
-        (`EngineInfo.pads_rows`) one request drafting alone widens every row, and asked of
-        one request, two streams of the bench pair where both drafting paid 1.2-1.3x were
-        found hopeless."""
+    def _could_pay(self, candidates: list[Candidate], ks: list[int], index: int) -> bool:
+        """Whether some K > 0 of request `index`, with a draft as good as its kind's drafts
+        measured or the optimistic prior, whichever is better at each depth (`hopeful`),
+        with pre-speculation where the request may pre-speculate and without, would beat
+        the batch's chosen rate. If not, no acceptance a probe could measure would turn
+        speculation back on, and its cost is saved: in a full batch on a compute-bound
+        target, probes (a draft step, the draft's cache caught up on every token it missed,
+        a wider verify) had cost the load policy a fifth of batched autoregressive speed.
+        Asked with the prior alone and without pre-speculation, the bench pair at one stream
+        (drafts accepted 0.83-0.93 a depth, and paying only pre-speculated) was found
+        hopeless in most rounds, probed nothing, and ran at autoregressive speed where
+        K = 3 ran 1.15x faster."""
+        candidate = candidates[index]
         chosen = self._rate(candidates, ks)
-        idle = [i for i, (c, k) in enumerate(zip(candidates, ks)) if c.adapts and c.most and not k]
-        if not idle:
-            return False
-        deepest = max(candidates[i].most for i in idle)
-        for prespeculated in (False, True) if any(candidates[i].hit for i in idle) else (False,):
-            trial, trial_ks = list(candidates), list(ks)
-            for i in idle:
-                trial[i] = hopeful(candidates[i], prespeculated)
-            for k in range(1, deepest + 1):
-                for i in idle:
-                    trial_ks[i] = trial[i].fitted(k)
-                if self._rate(trial, trial_ks) > chosen:
-                    return True
+        for hopeful in hopeful_variants(candidate):
+            trial = candidates[:index] + [hopeful] + candidates[index + 1:]
+            if any(self._rate(trial, ks[:index] + [k] + ks[index + 1:]) > chosen for k in range(1, candidate.most + 1)):
+                return True
         return False
 
     @staticmethod
@@ -408,16 +395,21 @@ class LoadPolicy:
 
     def _nothing_could_pay(self, candidates: list[Candidate], ks: list[int]) -> bool:
         """No request drafts, and none could pay at this load with a draft as good as the
-        optimistic prior (`_could_pay`), each with all its K and its output ahead of it: how
-        much room a request has left says nothing of the load. Judged with the room left, a
-        request's last rounds at one stream (K = 1 and a lagging draft cache's catch-up
-        spread over one round) were hopeless, and the hold, which outlasts requests, kept
-        the next ones at K = 0 for quiet rounds each longer than the last (bench pair: 31 of
-        each request's 64 rounds, where drafting ran 1.2x faster). A batch in which no
-        request may draft this round says nothing of the load either."""
-        if any(ks) or not any(c.adapts and c.most for c in candidates):
+        optimistic prior (`_could_pay`, asked of the first request that may draft: at a
+        glance, as the others ask the same of the same costs), with all its K and its output
+        ahead of it: how much room a request has left says nothing of the load. Judged with
+        the room left, a request's last rounds at one stream (K = 1 and a lagging draft
+        cache's catch-up spread over one round) were hopeless, and the hold, which outlasts
+        requests, kept the next ones at K = 0 for quiet rounds each longer than the last
+        (bench pair: 31 of each request's 64 rounds, where drafting ran 1.2x faster). A batch
+        in which no request may draft this round says nothing of the load either."""
+        if any(ks):
             return False
-        return not self._could_pay([c.with_output_ahead() if c.adapts and c.most else c for c in candidates], ks)
+        hopeful = next((i for i, c in enumerate(candidates) if c.adapts and c.most), None)
+        if hopeful is None:
+            return False
+        ahead = candidates[:hopeful] + [candidates[hopeful].with_output_ahead()] + candidates[hopeful + 1:]
+        return not self._could_pay(ahead, ks, hopeful)
 
     def _best(self, candidates, speculating: bool):
         if not speculating:
@@ -542,17 +534,18 @@ def without_prespeculation(candidates: list[Candidate]) -> list[Candidate]:
     return [replace(c, prespeculating=False) if c.steered else c for c in candidates]
 
 
-def hopeful(candidate: Candidate, prespeculated: bool) -> Candidate:
-    """The request with the `hopeful` draft, without pre-speculation, or with it where it
-    may pre-speculate, finding its drafts pre-speculated as often as the prior accepts a
-    draft (`UNSEEN_ACCEPTANCE`) or its kind measured, whichever is more. A probe drafts
-    without pre-speculation and measures no hit rate: asked at a flat 0.5, the bench pair
-    at one stream (hits 0.83-0.92 once measured) was held hopeless after an autoregressive
-    stretch, with no probe, at AR's speed where K = 3 ran 1.2x faster."""
+def hopeful_variants(candidate: Candidate) -> list[Candidate]:
+    """The request with the `hopeful` draft: without pre-speculation, and with it where
+    it may pre-speculate, finding its drafts pre-speculated as often as the prior
+    accepts a draft (`UNSEEN_ACCEPTANCE`) or its kind measured, whichever is more. A
+    probe drafts without pre-speculation and measures no hit rate: asked at a flat
+    0.5, the bench pair at one stream (hits 0.83-0.92 once measured) was held
+    hopeless after an autoregressive stretch, with no probe, at AR's speed where
+    K = 3 ran 1.2x faster."""
     plain = replace(candidate, reach=candidate.hopeful, prespeculating=False)
-    if not (prespeculated and candidate.hit):  # without, or it may not pre-speculate
-        return plain
-    return replace(plain, prespeculating=True, hit=max(candidate.hit, UNSEEN_ACCEPTANCE))
+    if not candidate.hit:  # it may not pre-speculate
+        return [plain]
+    return [plain, replace(plain, prespeculating=True, hit=max(candidate.hit, UNSEEN_ACCEPTANCE))]
 
 
 def reach_of(rates: list[float]) -> list[float]:
