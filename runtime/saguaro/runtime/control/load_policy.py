@@ -253,31 +253,20 @@ class LoadPolicy:
 
     def _quiet_holds(self, batch) -> bool:
         """Speculation was turned off for every request and no K could pay at that load
-        (`_hopeless`): then requests joining and leaving do not make it weigh every K again.
-        At 16 streams through the server a request joins or leaves every few rounds;
+        (`_hopeless`): then requests joining and leaving do not make it weigh every K again
+        until the choice's rounds are up (`quiet_rounds`, longer for each such choice in a
+        row). At 16 streams through the server a request joins or leaves every few rounds;
         weighing every K for every request each time (1.5-2 ms of Python) had cost SSD with
         the policy a fifth of autoregressive speed on the tiny engines, whose rounds take
-        1.4 ms. Two things are asked only whether some K could pay (`_nothing_could_pay`: a
-        few K for one request, 0.2-0.3 ms at 16 streams), and if none could, K = 0 for all
-        is what weighing every K would choose, and the hold goes on: a batch smaller than
-        any the hold has judged, which might pay (each size once a hold: a batch shrinks
-        whenever a request ends before its stream's next one joins), and a hold whose
-        rounds are up (`quiet_rounds`, longer for each renewal in a row; weighed afresh at
-        each, 16 streams held at K = 0 spent 4-5% of a round's time on it in one process on
-        the tiny engines)."""
+        1.4 ms. A batch that lost requests, which might pay, is asked only whether some K
+        could (`_nothing_could_pay`: a few K for one request)."""
         kept = self._kept
-        if not (self._hopeless and kept is not None and all(sequence.adapts for sequence in batch)):
+        if not (self._hopeless and kept is not None and kept.rounds_left > 0
+                and all(sequence.adapts for sequence in batch)):
             return False
-        expired = kept.rounds_left <= 0
-        if expired or len(batch) < kept.judged_size:
-            candidates = [self._candidate(sequence) for sequence in batch]
-            if not self._nothing_could_pay(candidates, [0] * len(batch)):
+        if len(batch) < kept.size:  # a smaller batch might pay: asked again, at a glance
+            if not self._nothing_could_pay([self._candidate(sequence) for sequence in batch], [0] * len(batch)):
                 return False
-            if expired:  # the hold renewed, as a fresh choice of the same would be
-                self._hopeless_choices += 1
-                kept.rounds_left = quiet_rounds(self._hopeless_choices)
-                kept.matched_k = self._matched_k(batch, candidates, [0] * len(batch))
-            kept.judged_size = len(batch)
             kept.follow(batch)
         return True
 
@@ -359,7 +348,7 @@ class LoadPolicy:
         self._hopeless = self._nothing_could_pay(candidates, ks)
         self._hopeless_choices = self._hopeless_choices + 1 if self._hopeless else 0
         held = quiet_rounds(self._hopeless_choices) if self._hopeless else REPLAN_ROUNDS
-        self._kept = _KeptChoice(speculating, ks, held - 1, self._matched_k(batch, candidates, ks), len(batch))
+        self._kept = _KeptChoice(speculating, ks, held - 1, self._matched_k(batch, candidates, ks))
         self._kept.follow(batch)
         return candidates, ks
 
@@ -567,11 +556,14 @@ class _KeptChoice:
     ks: list[int]
     rounds_left: int     # rounds it still holds while the batch stays the same
     matched_k: int       # K of a round that n-gram matches lead (`LoadPolicy._matched_k`)
-    judged_size: int     # a hopeless choice: the smallest batch judged hopeless since it was made or renewed
     # the sequences it holds for, in order, weakly: a finished request's sequence must not
     # outlive it here (through its callbacks it holds the Triton response sender, and a
     # sender never released kept the model from unloading at shutdown)
     batch: list[weakref.ref] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.batch)
 
     def follow(self, batch) -> None:
         self.batch = [weakref.ref(sequence) for sequence in batch]
