@@ -486,9 +486,9 @@ class LoadPolicy:
 def held_plan(last: Plan, prespeculating: bool, matched_tokens: int) -> Plan:
     """The plan of a round held at K = 0 (`LoadPolicy._quiet_plans`), after the request's
     plan `last`: one quiet round more. A plan held the round before is advanced in place
-    (a round's plans are read within their round, and nothing keeps them past it): at 16
-    streams a new plan per request per round was a third of the policy's Python in a
-    round held at K = 0, which costs what an autoregressive round does otherwise."""
+    (nothing but its request keeps a plan past its round): at 16 streams, a new plan per
+    request per round was about a third of the policy's Python in a held round, the
+    difference between such a round and an autoregressive one."""
     if last.undrafted == "held":
         last.quiet += 1
         last.matched_tokens = matched_tokens
