@@ -604,6 +604,20 @@ def test_a_batch_probes_once_a_period_not_once_per_request():
     assert [round_ for round_, indices in enumerate(probes) if 4 in indices] == [0]
 
 
+def test_a_round_without_drafts_counts_nothing_and_is_the_requests_last_round():
+    """A request that verified no drafts (held at K = 0) fades and counts nothing, its own
+    or its kind's, but its last round is now one without drafts: a kept choice replans
+    after a round whose drafts were all rejected, and a stale one would replan every round."""
+    policy = policy_with(measured(0.005, 0.00002), measured(0.0002, 0.00001), acceptance=0.5)
+    own, shared = Acceptance(fading=0.9), policy.shared[True]
+    policy.record_round(own, True, 2, 0)  # its drafts, all rejected
+    assert own.last == (2, 0)
+    counted = (list(own.verified), list(own.accepted), list(shared.verified), list(shared.accepted))
+    policy.record_round(own, True, 0, 0)
+    assert own.last == (0, 0)
+    assert (own.verified, own.accepted, shared.verified, shared.accepted) == counted
+
+
 def test_probes_whose_rounds_cost_more_than_their_share_are_spaced_out():
     """A sampled request at one stream: a probe's round took 25-28 ms against 14-15 for a
     round without one (the draft first caught up the tokens it had missed). Probes are
