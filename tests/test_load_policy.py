@@ -19,15 +19,8 @@ from saguaro.runtime.control.costs import (
     LinearCost,
     Misprediction,
 )
-from saguaro.runtime.control.load_policy import (
-    PROBE_DRAFTS,
-    PROBE_PERIOD,
-    PROBE_SHARE,
-    QUIET_ROUNDS,
-    REPLAN_ROUNDS,
-    LoadPolicy,
-    probe_period,
-)
+from saguaro.runtime.control.load_policy import QUIET_ROUNDS, REPLAN_ROUNDS, LoadPolicy
+from saguaro.runtime.control.probes import PROBE_DRAFTS, PROBE_PERIOD, PROBE_SHARE, probe_period
 from saguaro.runtime.control.round_price import TRIAL_FOLLOWING, Candidate, RoundPrice
 from saguaro.runtime.control.round_report import Plan, RoundReport, SequenceRound, undrafted_reason, verify_size
 from saguaro.runtime.control.sessions import TRIAL_PERIOD, SessionChoice
@@ -626,15 +619,15 @@ def test_probes_whose_rounds_cost_more_than_their_share_are_spaced_out():
     period."""
     policy = policy_with(measured(0.005, 0.00002), measured(0.0002, 0.00001), acceptance=0.0)
     for _ in range(3):
-        policy.observe_probe(0.012, 0.014)
-    assert policy.probe_spacing == math.ceil(0.012 / (PROBE_SHARE * 0.014)) > 2 * PROBE_PERIOD
-    plans = rounds_of(policy, FakeSequence(plan=Plan(0, quiet=PROBE_PERIOD)), 2 * policy.probe_spacing,
+        policy.probes.observe(0.012, 0.014)
+    assert policy.probes.spacing == math.ceil(0.012 / (PROBE_SHARE * 0.014)) > 2 * PROBE_PERIOD
+    plans = rounds_of(policy, FakeSequence(plan=Plan(0, quiet=PROBE_PERIOD)), 2 * policy.probes.spacing,
                       accepts=lambda k: 0)
     probes = [i for i, plan in enumerate(plans) if plan.probe]
-    assert probes[0] == policy.probe_spacing - PROBE_PERIOD - 1  # not at once: the spacing first
+    assert probes[0] == policy.probes.spacing - PROBE_PERIOD - 1  # not at once: the spacing first
     cheap = policy_with(measured(0.005, 0.00002), measured(0.0002, 0.00001), acceptance=0.0)
-    cheap.observe_probe(0.0001, 0.014)
-    assert cheap.probe_spacing == PROBE_PERIOD
+    cheap.probes.observe(0.0001, 0.014)
+    assert cheap.probes.spacing == PROBE_PERIOD
     assert cheap.choose([FakeSequence(plan=Plan(0, quiet=PROBE_PERIOD))])[0].probe
 
 
@@ -644,7 +637,7 @@ def test_a_probes_round_is_measured_against_its_price_without_the_probe():
     plan = policy.choose([sequence])[0]
     assert plan.probe and policy._probe_priced is not None
     policy.observe_round(RoundReport(1, 2, verify_s=policy._probe_priced + 0.012, alone=True, undrafted=None))
-    assert policy.probe_cost == pytest.approx(0.012)
+    assert policy.probes.cost == pytest.approx(0.012)
 
 
 def test_no_catch_up_while_nothing_could_draft_at_this_load():
@@ -848,8 +841,8 @@ def with_costs_by_hand(pipeline: Pipeline) -> Pipeline:
     policy.price.tree_cost, policy.price.alone_cost = policy.price.draft_cost, policy.price.verify_cost
     for name in ("observe_verify", "observe_drafting", "observe_prespeculation", "observe_host"):
         setattr(policy.price, name, lambda *args, **kwargs: None)
-    for name in ("observe_probe", "observe_period"):
-        setattr(policy, name, lambda *args, **kwargs: None)
+    policy.observe_period = lambda *args, **kwargs: None
+    policy.probes.observe = lambda *args, **kwargs: None
     for correction in policy.price.misprediction.values():
         correction.observe = lambda *args, **kwargs: None
     return pipeline

@@ -31,7 +31,7 @@ from saguaro.runtime.arguments import (
     decode_options,
     sampling_params,
 )
-from saguaro.runtime.control.load_policy import PROBE_PERIOD
+from saguaro.runtime.control.probes import PROBE_PERIOD
 from saguaro.runtime.core.options import MODES
 from saguaro.runtime.mode_comparison import compare_modes
 from saguaro.runtime.pipeline import Pipeline

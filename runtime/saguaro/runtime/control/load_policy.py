@@ -18,13 +18,8 @@ host work included, since on a small model the host's share is most of a step.
 Speculation never loses: a round without pre-speculation verifies alone, so K = 0 costs
 what autoregressive decoding costs on both cores, and when acceptance and costs say no K
 pays, every request that may draft gets K = 0. Its acceptance is then measured by a
-probe: one round in `PROBE_PERIOD` drafts `PROBE_DRAFTS` token(s), not pre-speculated (a
-draft step on the critical path and a verify one token wider, amortised over the
-period, which doubles with each probe in a row that accepted nothing, up to 2^`PROBE_BACKOFF`
-periods, and is never so short that the probes' measured cost passes `PROBE_SHARE` of the
-rounds' time); a probe whose drafts were all accepted is followed by another, so that a draft
-that got better is seen within a few rounds, and speculation comes back as soon as the
-estimate says it pays. Rounds that verify no drafts fade no counts, so the estimate stays
+probe now and then (`control.probes`), and speculation comes back as soon as the estimate
+says it pays. Rounds that verify no drafts fade no counts, so the estimate stays
 what the last drafts showed rather than drifting back to the optimistic prior. And the
 model's choice is checked by the clock (`control.clock`): where the rounds that drafted
 committed fewer tokens per second of wall time, start to start, than the rounds that did
@@ -58,26 +53,18 @@ A request that pins its K (`adapt_k` off: `--fixed-k`, or a server request that 
 """
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, field, replace
 
 from saguaro.runtime.control.acceptance import UNSEEN_ACCEPTANCE, Acceptance
 from saguaro.runtime.control.calibration import measure_calibration
 from saguaro.runtime.control.clock import ClockCheck
+from saguaro.runtime.control.probes import PROBE_DRAFTS, PROBE_PERIOD, ProbeSchedule
 from saguaro.runtime.control.round_price import Candidate, RoundPrice, prespeculates
 from saguaro.runtime.control.round_report import Plan, RoundReport
 from saguaro.runtime.control.sessions import SessionChoice
 
 SHARED_FADING = 0.995             # of the acceptance counts shared by all requests (per round with drafts)
-PROBE_PERIOD = 32   # rounds: with speculation off, a request drafts in one round of this many ...
-PROBE_DRAFTS = 1    # ... this many drafts, not pre-speculated, so that its acceptance stays measured
-PROBE_BACKOFF = 3   # the period doubles with each probe in a row whose drafts were all rejected, up to 2^this
-# Probes may take at most this share of the rounds' time: a probe whose round costs more
-# than the period's share of it (a draft that first catches up the tokens of the rounds it
-# missed: 25-28 ms against 14-15 for a sampled round at one stream) is spaced out further.
-PROBE_SHARE = 0.01
-PROBE_COST_FADING = 0.7  # weight of the earlier probes' measured cost after each new one
 # Rounds a batch keeps its chosen K while it stays the same batch: choosing weighs every K
 # for every request (about 0.15 ms of Python a round at one request, which on the tiny
 # engines was a tenth of a round), and the estimates it weighs move by a few percent a round.
@@ -103,17 +90,11 @@ class LoadPolicy:
         self._kept: _KeptChoice | None = None  # the last choice, while its batch runs on
         self._hopeless = False  # the last choice: K = 0 for all, and no K could pay at this load
         self._hopeless_choices = 0  # such choices in a row
-        # rounds since a request of each kind (greedy or sampled) last probed: the estimate a
-        # probe measures is shared by every request of its kind, so one probe a period serves
-        # the batch (each of 4 requests probing on its own period had a draft forward in one
-        # round of eight, 0.88-0.92x autoregressive speed at 4 streams)
-        self._since_probe = {greedy: 1 << 30 for greedy in (True, False)}
+        self.probes = ProbeSchedule()
         # the round chosen to draft: the model's seconds for it and for the same batch drafting
         # nothing, and whether it pre-speculates
         self._modelled: tuple[float, float, bool] | None = None
         self._probe_priced: float | None = None  # the model's price of this round without its probe
-        self.probe_cost: float | None = None  # what a probe added to its round, measured (fading)
-        self.probe_spacing = PROBE_PERIOD     # rounds between probes that keeps them within PROBE_SHARE
         self.shared = {greedy: Acceptance(fading=SHARED_FADING) for greedy in (True, False)}
         # ... of n-gram matches leading a draft model (`EngineInfo.ngram_lead`), apart: they
         # cost no draft forward and are accepted at rates of their own
@@ -154,20 +135,12 @@ class LoadPolicy:
         elif not report.drafted:  # nothing measured it: what the last drafting rounds showed ages
             price.fade_misprediction()
         if self._probe_priced is not None and not matched:
-            self.observe_probe(whole - self._probe_priced, self._probe_priced)
+            self.probes.observe(whole - self._probe_priced, self._probe_priced)
 
     def observe_period(self, seconds: float) -> None:
         """The last round's period, from its start to the next round's (`Decoder`), for the
         clock; not called for a period in which requests joined."""
         self.clock.observe_period(seconds)
-
-    def observe_probe(self, added_s: float, round_s: float) -> None:
-        """A probe added `added_s` to a round the model priced at `round_s` without it:
-        probes are spaced so that they take at most `PROBE_SHARE` of the rounds' time."""
-        added_s = max(added_s, 0.0)
-        cost = self.probe_cost
-        self.probe_cost = added_s if cost is None else PROBE_COST_FADING * cost + (1 - PROBE_COST_FADING) * added_s
-        self.probe_spacing = max(PROBE_PERIOD, math.ceil(self.probe_cost / (PROBE_SHARE * max(round_s, 1e-9))))
 
     def record_round(self, own: Acceptance, greedy: bool, verified: int, accepted: int,
                      asked: int | None = None, matched: bool = False) -> None:
@@ -211,8 +184,7 @@ class LoadPolicy:
         if any(ks):  # the choice drafts (a probe's round is priced apart): its price is checked
             self._modelled = (self.price.modelled_seconds(candidates, ks),
                               self.price.modelled_seconds(candidates, [0] * len(ks)), prespeculates(candidates, ks))
-        for greedy in self._since_probe:
-            self._since_probe[greedy] += 1
+        self.probes.tick()
         branches = self.price.branch_rows(candidates, ks)
         plans = [Plan(k, c.prespeculating, branches if c.steered and c.prespeculating and k else None,
                       undrafted=("clock" if clock else "priced") if c.adapts and c.most and not k else None,
@@ -274,36 +246,25 @@ class LoadPolicy:
         """K = 0 for every request, and no probe (none could turn speculation on)."""
         assert self._kept is not None  # `_quiet_holds`
         self._kept.rounds_left -= 1
-        for greedy in self._since_probe:
-            self._since_probe[greedy] += 1
+        self.probes.tick()
         return [held_plan(sequence.plan, sequence.prespeculating, matched_tokens) for sequence in batch]
 
     def _probed(self, plan: Plan, sequence, candidates: list[Candidate], ks: list[int], index: int) -> Plan:
         """With speculation off (K = 0 chosen for a request that may draft), the plan of a
-        probe every `probe_period` rounds: `PROBE_DRAFTS` drafts, not pre-speculated, so
-        that the request's acceptance is measured again and speculation comes back once it
-        pays. A probe whose drafts were all accepted is followed by another, so that a draft
-        that got better is measured in a few rounds rather than a few periods; each probe in
-        a row that accepted nothing doubles the period (up to `PROBE_BACKOFF` times), and
-        the period is at least `probe_spacing` (probes within `PROBE_SHARE` of the rounds'
-        time). The period is the batch's too: a request probes only if no request of its
-        kind probed within it (`_since_probe`). A probe is skipped while drafting could not
-        pay at this load whatever it measured (`_could_pay`; once per choice while no
-        request drafts, `_nothing_could_pay`: asked of every due request every round it had
-        been a fifth of the decode loop's Python at 8 streams), and made as soon as it
-        could."""
+        probe where one is due (`ProbeSchedule.due`): `PROBE_DRAFTS` drafts, not
+        pre-speculated, so that the request's acceptance is measured again and speculation
+        comes back once it pays. A probe is skipped while drafting could not pay at this load
+        whatever it measured (`_could_pay`; once per choice while no request drafts,
+        `_nothing_could_pay`: asked of every due request every round it had been a fifth of
+        the decode loop's Python at 8 streams), and made as soon as it could."""
         candidate = candidates[index]
         if plan.draft_tokens or not (candidate.adapts and candidate.most):
             return plan
-        last, (verified, accepted) = sequence.plan, sequence.acceptance.last
-        confirmed = last.probe and verified and accepted == verified
-        rejected = rejected_probes(last, verified, accepted)
-        period = max(probe_period(rejected), self.probe_spacing)
-        due = confirmed or (last.quiet + 1 >= period and self._since_probe[sequence.greedy] >= period)
+        due, rejected = self.probes.due(sequence.plan, sequence.acceptance.last, sequence.greedy)
         if due and not self._hopeless and self._could_pay(candidates, ks, index):
-            self._since_probe[sequence.greedy] = 0
+            self.probes.probed(sequence.greedy)
             return Plan(min(PROBE_DRAFTS, candidate.most), prespeculate=False, probe=True, rejected_probes=rejected)
-        return replace(plan, quiet=last.quiet + 1, rejected_probes=rejected)
+        return replace(plan, quiet=sequence.plan.quiet + 1, rejected_probes=rejected)
 
     def _could_pay(self, candidates: list[Candidate], ks: list[int], index: int) -> bool:
         """Whether some K > 0 of request `index`, with a draft as good as its kind's drafts
@@ -495,22 +456,6 @@ def held_plan(last: Plan, prespeculating: bool, matched_tokens: int) -> Plan:
         return last
     return Plan(0, prespeculating, quiet=last.quiet + 1, rejected_probes=last.rejected_probes, undrafted="held",
                 matched_tokens=matched_tokens)
-
-
-def rejected_probes(last: Plan, verified: int, accepted: int) -> int:
-    """Probes in a row that accepted nothing, after the round of plan `last` verified
-    `verified` drafts and accepted `accepted`."""
-    if not (last.probe and verified):
-        return last.rejected_probes
-    return 0 if accepted else last.rejected_probes + 1
-
-
-def probe_period(rejected: int) -> int:
-    """Rounds between probes after `rejected` probes in a row accepted nothing: a
-    draft that keeps failing is asked less often (each probe's draft step, its cache's
-    catch-up and a wider verify had cost the policy a tenth of autoregressive speed at 2-4
-    streams through the server), and one accepted draft brings the period back."""
-    return PROBE_PERIOD << min(rejected, PROBE_BACKOFF)
 
 
 def quiet_rounds(hopeless_choices: int) -> int:

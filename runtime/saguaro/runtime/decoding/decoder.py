@@ -200,10 +200,17 @@ class Sequence:
         return max(0, self.speculator.lag(self.out.ids))
 
     @property
+    def matched(self) -> bool:
+        """The round's drafts are n-gram matches (read off the proposal: its prefix, the
+        round's, is a copy made for the verification)."""
+        assert self.proposal is not None  # as in `round_draft_tokens`
+        return self.proposal.matched
+
+    @property
     def draft_lags(self) -> bool:
         """Drafts nothing with the model this round (nothing, or an n-gram match) and its
         draft cache lacks committed tokens."""
-        return (self.speculator is not None and (not self.plan.draft_tokens or self.round_proposal.matched)
+        return (self.speculator is not None and (not self.plan.draft_tokens or self.matched)
                 and self.speculator.lag(self.out.ids) > 0)
 
     @property
@@ -211,7 +218,7 @@ class Sequence:
         """Pre-speculates this round: an ssd sequence with drafts to verify that the draft
         model drafted (not n-gram matches alone)."""
         return (self.prespeculating and self.plan.prespeculate and self.plan.draft_tokens > 0
-                and self.round_draft_tokens > 0 and not self.round_proposal.matched)
+                and self.round_draft_tokens > 0 and not self.matched)
 
     def verification(self) -> VerifyStep:
         self.verified = self.round_draft_tokens
@@ -347,7 +354,7 @@ class Decoder:
         for sequence, outcome in zip(batch, outcomes):
             sequence.stats.verify_s += verifying.seconds
             sequence.stats.wait_s += waiting.seconds
-            verified, matched = sequence.verified, sequence.verified > 0 and sequence.round_proposal.matched
+            verified, matched = sequence.verified, sequence.verified > 0 and sequence.matched
             hit = sequence.commit(outcome, speculations.get(id(sequence)))
             report.sequences.append(SequenceRound(sequence.matched_acceptance if matched else sequence.acceptance,
                                                   sequence.greedy, verified, outcome.accepted, hit, sequence.asked,
