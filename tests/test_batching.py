@@ -220,10 +220,12 @@ def test_a_greedy_round_without_drafts_makes_no_torch_call_that_waits_for_the_gi
     try:
         verifiers = [Verifier(target, SamplingParams(), 0) for _ in histories]
         checks = [Verifier(target, SamplingParams(), 0).cache for _ in histories]
-        target.forward_rows([verifier.prefill(ids) for verifier, ids in zip(verifiers, histories)])
+        nothing = empty_draft(target.info.vocab_size, SamplingParams())
+        prompts = target.forward_rows([verifier.prefill(ids) for verifier, ids in zip(verifiers, histories)])
+        for verifier, ids, rows in zip(verifiers, histories, prompts):
+            ids.append(verifier.first_token(ids, nothing, rows.logits).bonus)
         target.forward_rows([Step(cache, torch.tensor(ids[:-1]), torch.arange(len(ids) - 1))
                              for cache, ids in zip(checks, histories)])
-        nothing = empty_draft(target.info.vocab_size, SamplingParams())
         for _ in range(2):  # the second round reuses the first one's tensors
             with TorchCalls() as calls:
                 outcomes = target.verify_batch([verifier.round(ids, nothing, 0)
@@ -256,7 +258,7 @@ def test_a_round_mixing_drafts_and_argmax_steps_costs_no_torch_call_per_argmax_s
 
     def verified(histories, batched: bool):
         verifiers = [Verifier(target, SamplingParams(), 0) for _ in histories]
-        target.forward_rows([verifier.prefill(ids) for verifier, ids in zip(verifiers, histories)])
+        target.forward_rows([verifier.prefill(ids[:-1]) for verifier, ids in zip(verifiers, histories)])  # all but `last`
         drafted = Draft(torch.tensor([4, 4]), None, torch.zeros(2, target.info.vocab_size))
         rounds = [verifiers[0].round(histories[0], drafted, 2)] + [
             verifier.round(ids, nothing, 0) for verifier, ids in zip(verifiers[1:], histories[1:])]

@@ -888,7 +888,7 @@ def test_a_request_that_drafts_nothing_is_not_steered_even_with_adapt_k(tiny_pai
     policy = pipeline.schedulers[0].decoder.load_policy
     pipeline.close()
     assert generation.output_ids == expected[:40]
-    assert len(plans) == 40 and all(undrafted_reason([plan]) == "asked" for plan in plans)
+    assert len(plans) == 39 and all(undrafted_reason([plan]) == "asked" for plan in plans)  # the first: prefill's
     assert not policy.price.verify_cost.shaped  # no calibration measured for it
 
 

@@ -1,10 +1,11 @@
 """Sampled output is distributed exactly as the target's, in every speculative mode.
 
-The models are small enough to enumerate: 4 tokens, so the exact law of the first three
-generated tokens (64 outcomes) comes from 21 target forwards. Each configuration below
+The models are small enough to enumerate: 4 tokens, so the exact law of the first four
+generated tokens (256 outcomes) comes from 85 target forwards. Each configuration below
 samples a few thousand seeded generations and must pass a chi-square test against that
-law. The configurations are chosen so that every rule of the algorithm is exercised
-inside those three tokens:
+law. The first token comes with the prefill (drawn as a round without drafts draws its
+bonus); the configurations are chosen so that every rule of the algorithm is exercised
+inside the three tokens after it:
 
 - K = 2 rounds verify two drafts, so acceptance past depth 0 is tested, and a second
   round verifies drafts after a rejection (the generation runs one token past the window
@@ -33,7 +34,7 @@ from saguaro.runtime.pipeline import Pipeline
 
 PROMPT = [1, 2, 3]
 VOCAB = 4
-WINDOW = 3          # tokens whose joint law is checked
+WINDOW = 4          # tokens whose joint law is checked
 SAMPLES = 3000      # seeded generations per configuration
 
 

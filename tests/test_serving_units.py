@@ -308,7 +308,7 @@ def test_streaming_sends_each_round_then_a_final_response_with_stats(pipeline):
     reference = pipeline.generate(prompt, options, SamplingParams())
     sent, outcome = collect(pipeline, ServingRequest(prompt, options, SamplingParams(), stream=True))
     assert new_ids(sent) == reference.output_ids == outcome.output_ids
-    assert [final for _, final in sent] == [False] * reference.stats.rounds + [True]
+    assert [final for _, final in sent] == [False] * (reference.stats.rounds + 1) + [True]  # the prefill's token too
     final = sent[-1][0]
     assert final["output_ids"].size == 0 and final["finish_reason"].tolist() == [[b"length"]]
     assert final["accepted_histogram"].reshape(-1).tolist() == reference.stats.accepted_histogram
@@ -421,7 +421,7 @@ def test_without_streaming_a_heartbeat_per_round_then_one_final_response_carries
     reference = pipeline.generate(prompt, options, SamplingParams())
     sent, outcome = collect(pipeline, ServingRequest(prompt, options, SamplingParams(), stream=False))
     heartbeats, (final, is_final) = sent[:-1], sent[-1]
-    assert len(heartbeats) == reference.stats.rounds and is_final
+    assert len(heartbeats) == reference.stats.rounds + 1 and is_final  # the prefill's token, then each round
     assert all(arrays["output_ids"].size == 0 and not arrays["is_final"].all() and not final_flag
                for arrays, final_flag in heartbeats)  # no tokens: postprocessing answers nothing
     assert final["output_ids"].reshape(-1).tolist() == reference.output_ids and final["prefix_ids"].size == 0

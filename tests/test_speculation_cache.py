@@ -111,7 +111,7 @@ def test_miss_fallback_rolls_the_tree_back(draft_engine):
 def test_verifier_rolls_back_rejected_drafts(draft_engine):
     """The target keeps `last, d_1..d_a`; what follows matches a fresh prefill."""
     verifier = Verifier(draft_engine, SamplingParams(), K)
-    draft_engine.forward_batch([verifier.prefill(PROMPT)])
+    draft_engine.forward_batch([verifier.prefill(PROMPT[:-1])])  # every token but `last`
     drafter = new_speculator(draft_engine)
     draft = drafter.draft(PROMPT)
     wrong = draft.tokens.clone()

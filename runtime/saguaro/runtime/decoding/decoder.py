@@ -26,7 +26,15 @@ from typing import Sequence as Seq
 from saguaro.runtime.control.acceptance import Acceptance
 from saguaro.runtime.control.load_policy import LoadPolicy
 from saguaro.runtime.control.round_report import Plan, RoundReport, SequenceRound, undrafted_reason, verify_size
-from saguaro.runtime.core.contracts import Draft, RequestTarget, SpeculationCache, VerifyResult, VerifyStep, draft_cache_capacity
+from saguaro.runtime.core.contracts import (
+    Draft,
+    RequestTarget,
+    Rows,
+    SpeculationCache,
+    VerifyResult,
+    VerifyStep,
+    draft_cache_capacity,
+)
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.core.stats import GenerationStats, stopwatch
@@ -249,6 +257,12 @@ class Sequence:
         self.after_hit = self.proposal is not None
         return self.after_hit
 
+    def take_first_token(self, prompt_rows: Rows) -> None:
+        """The prefill's rows: the prompt's features, and the first token its last row scores."""
+        self.observe_features(0, prompt_rows.hidden)
+        first = self.verifier.first_token(self.out.ids, self.empty, prompt_rows.logits, self.request.logprobs is not None)
+        self.out.commit([first.bonus], first.logprobs)
+
     def observe_features(self, first_position: int, hidden) -> None:
         """The target's hidden states of committed positions, for a feature draft."""
         if self.speculator is not None:
@@ -300,13 +314,11 @@ class Decoder:
             self.load_policy.calibrate()
         sequences = [Sequence(request, self.target, self.draft) for request in requests]
         self._round_started = None  # the period until the next round holds this prefill: no round's own
-        prefilled = [(s, step) for s in sequences if (step := s.verifier.prefill(s.request.prompt_ids))]
         with stopwatch() as prefilling, self.target.run_alone() if self.alone else nullcontext():
-            rows = self.target.forward_rows([step for _, step in prefilled]) if prefilled else []
-        for (sequence, _), prompt_rows in zip(prefilled, rows):
-            sequence.observe_features(0, prompt_rows.hidden)
-        for sequence in sequences:
+            rows = self.target.forward_rows([s.verifier.prefill(s.request.prompt_ids) for s in sequences])
+        for sequence, prompt_rows in zip(sequences, rows):
             sequence.stats.prefill_s += prefilling.seconds
+            sequence.take_first_token(prompt_rows)
         return sequences
 
     def decode_round(self, batch: list[Sequence]) -> RoundReport:

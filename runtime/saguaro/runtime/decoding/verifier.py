@@ -1,15 +1,21 @@
-"""The target side of one sequence: prefill, then one verification step per round.
+"""The target side of one sequence: prefill, which scores the first token, then one
+verification step per round.
 
 The target's cache holds every committed token but the last, so a round feeds
 `[last, d_1..d_K]` (K+1 inputs, K+1 logits rows) at consecutive positions and keeps
-`last, d_1..d_a` afterwards; the bonus token is the next round's `last`.
+`last, d_1..d_a` afterwards; the bonus token is the next round's `last`. The prefill feeds
+the whole prompt and its last row scores the first token (as TensorRT-LLM's context phase
+and vLLM's prefill do), drawn as a round without drafts draws its bonus: the first token
+goes out with the prefill, not a round later.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from saguaro.plugins.fused_verify.reference import fused_verify
 from saguaro.runtime.core.contracts import Draft, Step, VerifyResult, VerifyStep, target_cache_capacity
+from saguaro.runtime.core.logprobs import verify_result
 from saguaro.runtime.core.sampling import SamplingParams, verification_uniforms
 
 # never written: a round's drafts and uniforms are read only
@@ -26,11 +32,21 @@ class Verifier:
         self._last_view, self._position_view = np.zeros(1, np.int64), np.zeros(1, np.int64)
         self._last, self._position = torch.from_numpy(self._last_view), torch.from_numpy(self._position_view)
 
-    def prefill(self, prompt_ids: list[int]) -> Step | None:
-        if len(prompt_ids) < 2:
-            return None
-        # kept for its KV entries (and a feature draft's features): no logits are read
-        return Step(self.cache, torch.tensor(prompt_ids[:-1]), torch.arange(len(prompt_ids) - 1), last_only=True)
+    def prefill(self, prompt_ids: list[int]) -> Step:
+        """The prompt's forward: its KV entries, a feature draft's features, and its last
+        row's logits, which score the first token (`first_token`)."""
+        return Step(self.cache, torch.tensor(prompt_ids), torch.arange(len(prompt_ids)), last_only=True)
+
+    def first_token(self, prompt_ids: list[int], no_draft: Draft, logits: torch.Tensor,
+                    logprobs: bool = False) -> VerifyResult:
+        """The first token from the prefill's last row of `logits`: the bonus of a round
+        that verifies no drafts, with that round's uniform (keyed at the token's position),
+        so it is the token a one-token forward of the prompt's last token would have given."""
+        item = self.round(prompt_ids, no_draft, 0, logprobs)
+        row, sampling = logits[-1:].float(), self.sampling
+        _, bonus = fused_verify(row, item.draft_tokens, item.draft_probs, item.uniforms,
+                                sampling.temperature, sampling.top_k, sampling.top_p)
+        return verify_result(0, int(bonus), row, item)
 
     def round(self, ids: list[int], draft: Draft, num_tokens: int, logprobs: bool = False) -> VerifyStep:
         """Verification of the first `num_tokens` drafts after the committed `ids`
