@@ -15,7 +15,7 @@ import torch
 from fake_tensorrt import fake_tensorrt
 
 from saguaro.plugins.fused_verify.reference import fused_verify
-from saguaro.runtime.core.contracts import EngineInfo, EngineLimits
+from saguaro.runtime.core.contracts import EngineInfo, EngineLimits, Step
 from saguaro.runtime.core.sampling import SamplingParams, pick_tokens, verification_uniforms
 from saguaro.runtime.engines import tensorrt_engine
 from saguaro.runtime.engines.kv_cache import VIEW_ALIGNMENT_BYTES, SlotKVCache
@@ -214,12 +214,35 @@ class Float32ForwardGraph:
         return torch.float32
 
 
-def cpu_tensorrt_engine(vocab: int, graph) -> TensorRTEngine:
+class TableForwardGraph(Float32ForwardGraph):
+    """The forward engine on the CPU: each input token's row of a fixed logits table."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    def run(self, inputs, outputs, allocators=None):
+        outputs["logits"][0] = self.table[inputs["input_ids"][0]]
+
+
+def cpu_tensorrt_engine(vocab: int, graph, forward=None) -> TensorRTEngine:
     limits = EngineLimits(max_draft_tokens=8, max_branches=16, max_context=64, max_batch=1)
     info = EngineInfo(backend="tensorrt", path="stand-in", vocab_size=vocab, max_context=64, eos_token_ids=(),
                       bos_token_id=None, tokenizer_fingerprint="", limits=limits)
     shape = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 4, "vocab_size": vocab}
-    return TensorRTEngine(fake_tensorrt(), {"forward": Float32ForwardGraph(), "verify": graph}, info, None, shape, device="cpu")
+    graphs = {"forward": forward or Float32ForwardGraph(), "verify": graph}
+    return TensorRTEngine(fake_tensorrt(), graphs, info, None, shape, device="cpu")
+
+
+def test_a_prefill_brings_only_its_last_row_of_logits_to_the_host():
+    """A `last_only` step (a prefill: its first token is all it reads) returns the last
+    row alone; any other step every row it fed."""
+    vocab, table = 12, torch.randn(12, 12, generator=torch.Generator().manual_seed(3))
+    engine = cpu_tensorrt_engine(vocab, ReferenceVerifyGraph(table), TableForwardGraph(table))
+    tokens = torch.tensor([3, 7, 1, 5])
+    prefill = engine.forward_rows([Step(engine.new_cache(32), tokens, torch.arange(4), last_only=True)])[0]
+    assert torch.equal(prefill.logits, table[tokens[-1:]])
+    every = engine.forward_rows([Step(engine.new_cache(32), tokens, torch.arange(4))])[0]
+    assert torch.equal(every.logits, table[tokens])
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_k=5, top_p=0.8, seed=1),

@@ -182,11 +182,15 @@ class TensorRTEngine(OneSequenceForms):
         return [self._verify_one(item) for item in steps]
 
     def _forward_one(self, step: Step) -> torch.Tensor:
+        """The step's logits on the host: of its last row only for a `last_only` step (a
+        prefill, whose first token is all it reads: a long prompt's rows over a large
+        vocabulary would be hundreds of megabytes through the bus)."""
         cache = cast(SlotKVCache, step.cache)  # one of this engine's (`new_cache`)
         inputs, outputs, length = self._step_io(cache, step.tokens, step.positions, step.mask)
         self.graphs["forward"].run(inputs, outputs)
         cache.swap(length)
-        return outputs["logits"][0].float().cpu()
+        logits = outputs["logits"][0]
+        return (logits[-1:] if step.last_only else logits).float().cpu()
 
     def _verify_one(self, item: VerifyStep) -> VerifyResult:
         cache, tokens, positions = cast(SlotKVCache, item.step.cache), item.step.tokens, item.step.positions
