@@ -9,8 +9,8 @@ round, at sixteen it is most of it. "auto" keeps a round's responses to about
 `RESPONSES_PER_ROUND` whatever the batch: every round for up to that many streams, every
 second round for twice as many, and so on; an integer N sends every N rounds. A stream's
 first token (its prefill's) goes out at once (time to first token does not wait for the
-interval, as in vLLM), the final response always brings what is left, so no token waits past the end, and
-a stream whose last response is still waiting in the model's outbox adds its tokens to it
+interval, as in vLLM), the final response always brings what is left, so no token waits
+past the end, and a stream whose last response is still waiting in the model's outbox adds its tokens to it
 (`responses.ResponseStream.send_update`).
 """
 from __future__ import annotations

@@ -7,11 +7,13 @@ probability under the distribution verification used: the target's at the reques
 temperature, top-k and top-p when sampling (what the output is distributed as), its plain
 softmax when greedy (as TensorRT-LLM reports greedy log-probabilities). Row i of a
 round's logits scores the i-th committed token: the accepted drafts, then the bonus.
+`verified_on_host` makes a round's outcome, with them, from logits on the host.
 """
 from __future__ import annotations
 
 import torch
 
+from saguaro.plugins.fused_verify.reference import fused_verify
 from saguaro.plugins.probs import logits_to_probs
 from saguaro.runtime.core.contracts import VerifyResult, VerifyStep
 from saguaro.runtime.core.sampling import SamplingParams
@@ -41,3 +43,12 @@ def verify_result(accepted: int, bonus: int, logits: torch.Tensor, step: VerifyS
         return VerifyResult(accepted, bonus, hidden=kept)
     return VerifyResult(accepted, bonus, token_logprobs(logits, committed_tokens(step.draft_tokens, accepted, bonus),
                                                        step.sampling), kept)
+
+
+def verified_on_host(logits: torch.Tensor, step: VerifyStep, hidden: torch.Tensor | None = None) -> VerifyResult:
+    """The outcome of `step` from its rows of target `logits`, by the reference op on the
+    host (an engine whose graphs end at the logits; the prefill's first token)."""
+    s = step.sampling
+    accepted, bonus = fused_verify(logits, step.draft_tokens, step.draft_probs, step.uniforms,
+                                   s.temperature, s.top_k, s.top_p)
+    return verify_result(int(accepted), int(bonus), logits, step, hidden)

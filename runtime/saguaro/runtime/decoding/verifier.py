@@ -13,9 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from saguaro.plugins.fused_verify.reference import fused_verify
 from saguaro.runtime.core.contracts import Draft, Step, VerifyResult, VerifyStep, target_cache_capacity
-from saguaro.runtime.core.logprobs import verify_result
+from saguaro.runtime.core.logprobs import verified_on_host
 from saguaro.runtime.core.sampling import SamplingParams, verification_uniforms
 
 # never written: a round's drafts and uniforms are read only
@@ -42,11 +41,7 @@ class Verifier:
         """The first token from the prefill's last row of `logits`: the bonus of a round
         that verifies no drafts, with that round's uniform (keyed at the token's position),
         so it is the token a one-token forward of the prompt's last token would have given."""
-        item = self.round(prompt_ids, no_draft, 0, logprobs)
-        row, sampling = logits[-1:].float(), self.sampling
-        _, bonus = fused_verify(row, item.draft_tokens, item.draft_probs, item.uniforms,
-                                sampling.temperature, sampling.top_k, sampling.top_p)
-        return verify_result(0, int(bonus), row, item)
+        return verified_on_host(logits[-1:].float(), self.round(prompt_ids, no_draft, 0, logprobs))
 
     def round(self, ids: list[int], draft: Draft, num_tokens: int, logprobs: bool = False) -> VerifyStep:
         """Verification of the first `num_tokens` drafts after the committed `ids`

@@ -9,7 +9,6 @@ from typing import Sequence
 import torch
 
 from saguaro.plugins.branch_draft.reference import plan_branches
-from saguaro.plugins.fused_verify.reference import fused_verify
 from saguaro.runtime.models.checkpoint import load_checkpoint, measured_acceptance, tokenizer_fingerprint
 from saguaro.runtime.core.contracts import (
     BUILD_DEFAULT_LIMITS,
@@ -24,7 +23,7 @@ from saguaro.runtime.core.contracts import (
 from saguaro.runtime.engines.batching import pack_steps
 from saguaro.runtime.models.feature_head import is_feature_head, load_feature_head
 from saguaro.runtime.engines.kv_cache import KVPool, PooledCache
-from saguaro.runtime.core.logprobs import verify_result
+from saguaro.runtime.core.logprobs import verified_on_host
 
 # What a checkpoint run eagerly is sized for (a compiled engine's come from its build).
 # An eager engine compiles nothing, so it has no built maximum; these bounds only size its
@@ -89,13 +88,8 @@ class TorchEngine(OneSequenceForms):
         return [forward_alone(self.pool, step, forward) for step in steps]
 
     def verify_batch(self, steps: Sequence[VerifyStep]) -> list[VerifyResult]:
-        outcomes = []
-        for rows, item in zip(self.forward_rows([item.step for item in steps]), steps):
-            s = item.sampling
-            accepted, bonus = fused_verify(rows.logits, item.draft_tokens, item.draft_probs, item.uniforms,
-                                           s.temperature, s.top_k, s.top_p)
-            outcomes.append(verify_result(int(accepted), int(bonus), rows.logits, item, rows.hidden))
-        return outcomes
+        return [verified_on_host(rows.logits, item, rows.hidden)
+                for rows, item in zip(self.forward_rows([item.step for item in steps]), steps)]
 
     def plan_branches(self, scores, draft_tokens, fanout, context_length):
         return plan_branches(scores, draft_tokens, fanout, context_length)
