@@ -12,10 +12,9 @@ from collections import defaultdict
 import pytest
 import torch
 
-from saguaro.runtime.core import sampling
+from saguaro.runtime.core import logprobs, sampling
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
-from saguaro.runtime.engines import torch_engine
 from saguaro.runtime.pipeline import Pipeline
 
 RUNS = [  # options, sampling: filters, Saguaro rescaling, branch hits and misses
@@ -54,14 +53,14 @@ def recorded(request, monkeypatch, tiny_pair, tiny_engines):
 
     monkeypatch.setattr(sampling, "sample_from", recording_draw)
     if request.param == "torch":
-        verify = torch_engine.fused_verify
+        verify = logprobs.fused_verify  # the torch engine verifies on the host (`verified_on_host`)
 
         def recording_verify(logits, draft_tokens, draft_probs, *rest):
             if draft_probs is not None:
                 verified.extend(zip(draft_tokens.tolist(), draft_probs.clone()))
             return verify(logits, draft_tokens, draft_probs, *rest)
 
-        monkeypatch.setattr(torch_engine, "fused_verify", recording_verify)
+        monkeypatch.setattr(logprobs, "fused_verify", recording_verify)
     else:
         sessions = pipeline.target.sessions
         sessions["fused_verify"] = RecordingSession(sessions["fused_verify"], verified)
