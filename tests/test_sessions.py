@@ -2,7 +2,9 @@
 each judged against the rounds beside it, say the one-thread session is faster."""
 import math
 
-from saguaro.runtime.control.sessions import PAIRS_KEPT, TRIAL_PERIOD, SessionChoice
+import pytest
+
+from saguaro.runtime.control.sessions import PAIRS_KEPT, TRIAL_BACKOFF, TRIAL_MARGIN, TRIAL_PERIOD, SessionChoice
 
 
 def run(choice: SessionChoice, rounds: int, wide_s, one_thread_s, tokens: int = 4) -> list[bool]:
@@ -16,13 +18,52 @@ def run(choice: SessionChoice, rounds: int, wide_s, one_thread_s, tokens: int = 
     return sessions
 
 
-def test_rounds_use_the_wide_session_and_try_the_other_once_a_period():
+def trials_won_in_a_row(rounds: int) -> list[int]:
+    """The rounds of the trials among the first `rounds` while the usual session wins
+    every trial clearly: one period, then each twice the last, up to 2^TRIAL_BACKOFF periods."""
+    trials, at, won = [], -1, 0
+    while True:
+        at += TRIAL_PERIOD << min(won, TRIAL_BACKOFF)
+        if at >= rounds:
+            return trials
+        trials.append(at)
+        won += 1
+
+
+def test_rounds_use_the_wide_session_and_try_the_other_less_often_while_it_loses():
+    """Once a period at first, then twice as long after each trial the wide session won:
+    on an idle machine every trial is lost, and one in 32 rounds on one thread cost every
+    mode 1% of its decoding."""
     choice = SessionChoice()
-    sessions = run(choice, 3 * TRIAL_PERIOD, lambda i: 0.010, lambda i: 0.014)
-    assert [i for i, wide in enumerate(sessions) if not wide] == [TRIAL_PERIOD - 1, 2 * TRIAL_PERIOD - 1,
-                                                                   3 * TRIAL_PERIOD - 1]
-    assert choice.wide(4) and len(choice.ratios[4]) == 2  # the last trial waits for the round after it
-    assert choice.ratios[4][0] == math.log(0.014 / 0.010)
+    rounds = (TRIAL_PERIOD << TRIAL_BACKOFF) * 4
+    sessions = run(choice, rounds, lambda i: 0.010, lambda i: 0.014)
+    trials = [i for i, wide in enumerate(sessions) if not wide]
+    assert trials == trials_won_in_a_row(rounds)
+    assert trials[:3] == [TRIAL_PERIOD - 1, 3 * TRIAL_PERIOD - 1, 7 * TRIAL_PERIOD - 1]
+    assert trials[-1] - trials[-2] == TRIAL_PERIOD << TRIAL_BACKOFF  # the longest period
+    assert choice.wide(4) and choice.ratios[4][0] == math.log(0.014 / 0.010)
+
+
+def test_a_trial_the_other_session_wins_brings_the_period_back():
+    """Trials spaced out by wins of the wide session; a spell in which two threads wait for
+    each other: the trial in it wins for the one-thread session, and the next comes a
+    period later, not eight."""
+    choice = SessionChoice()
+    run(choice, 4 * TRIAL_PERIOD + 1, lambda i: 0.010, lambda i: 0.014)
+    assert choice.trial_period == 4 * TRIAL_PERIOD  # two trials won
+    crowded = run(choice, choice.trial_period - choice._since_trial + 1, lambda i: 0.020, lambda i: 0.014)
+    assert crowded.count(False) == 1 and not crowded[-2]  # the trial, and the round after it
+    assert choice.trial_period == TRIAL_PERIOD
+
+
+def test_where_the_sessions_run_close_the_trials_stay_once_a_period():
+    """The usual session wins every trial, each by less than TRIAL_MARGIN: a shared
+    machine, whose load moves the choice, keeps its trials once a period."""
+    choice = SessionChoice()
+    close = 1 + (TRIAL_MARGIN - 1) / 2
+    sessions = run(choice, 8 * TRIAL_PERIOD, lambda i: 0.010, lambda i: 0.010 * close)
+    assert [i for i, wide in enumerate(sessions) if not wide] == [(n + 1) * TRIAL_PERIOD - 1 for n in range(8)]
+    assert choice.wide(4) and choice.trial_period == TRIAL_PERIOD
 
 
 def test_a_busy_spell_that_slows_both_sessions_keeps_the_wide_one():
@@ -35,31 +76,42 @@ def test_a_busy_spell_that_slows_both_sessions_keeps_the_wide_one():
         return 2.0 if 40 <= index % 128 < 104 else 1.0
 
     choice = SessionChoice()
-    sessions = run(choice, 12 * TRIAL_PERIOD, lambda i: 0.010 * busy(i), lambda i: 0.012 * busy(i))
-    assert sum(not wide for wide in sessions) == 12  # the trials only
-    assert all(ratio == math.log(1.2) for ratio in choice.ratios[4])
+    sessions = run(choice, 12 * TRIAL_PERIOD, lambda i: 0.010 * busy(i), lambda i: 0.013 * busy(i))
+    assert [i for i, wide in enumerate(sessions) if not wide] == trials_won_in_a_row(12 * TRIAL_PERIOD)
+    assert all(ratio == pytest.approx(math.log(1.3)) for ratio in choice.ratios[4])
 
 
 def test_the_one_thread_session_takes_over_where_trials_measure_it_faster_and_gives_back():
     """Where two threads wait for each other the one-thread session wins its trial: the
-    rounds move to it, the wide one is tried once a period, and the rounds move back once
+    rounds move to it, the wide one is tried (less often while it loses), and the rounds move back once
     most of the kept pairs say the wide session is the faster again."""
     choice = SessionChoice()
     crowded = run(choice, 4 * TRIAL_PERIOD, lambda i: 0.020, lambda i: 0.014)
     assert crowded[TRIAL_PERIOD - 1] is False and not choice.wide(4)
-    assert crowded[TRIAL_PERIOD + 1:] == [(i + 1) % TRIAL_PERIOD == 0 for i in range(TRIAL_PERIOD + 1, 4 * TRIAL_PERIOD)]
-    quiet = run(choice, (PAIRS_KEPT + 3) * TRIAL_PERIOD, lambda i: 0.010, lambda i: 0.014)
-    assert choice.wide(4) and all(quiet[-TRIAL_PERIOD:-1]) and not quiet[-1]
-    assert not all(quiet[:2 * TRIAL_PERIOD])  # not at the first trial the wide session won
+    # the one-thread session's rounds from then on, the wide one tried once a period (it
+    # starts slower after a stretch of idle threads: no trial of it is spaced out)
+    assert [i for i in range(TRIAL_PERIOD + 1, 4 * TRIAL_PERIOD) if crowded[i]] == [2 * TRIAL_PERIOD - 1,
+                                                                                      3 * TRIAL_PERIOD - 1,
+                                                                                      4 * TRIAL_PERIOD - 1]
+    # the wide session wins its trials, once a period, until three of the five pairs kept
+    # say it is the faster; then the other's trials, which it loses: a period, two, four
+    quiet = run(choice, (PAIRS_KEPT + 5) * TRIAL_PERIOD, lambda i: 0.010, lambda i: 0.014)
+    assert [i for i, wide in enumerate(quiet) if wide][:3] == [TRIAL_PERIOD - 1, 2 * TRIAL_PERIOD - 1,
+                                                               3 * TRIAL_PERIOD - 1]
+    after = quiet[3 * TRIAL_PERIOD + 1:]
+    assert choice.wide(4) and [i for i, wide in enumerate(after) if not wide] == [TRIAL_PERIOD - 2,
+                                                                                  3 * TRIAL_PERIOD - 2,
+                                                                                  7 * TRIAL_PERIOD - 2]
 
 
 def test_a_neighbour_preempted_once_moves_nothing():
     """A round ten times slower than usual (the machine preempted it) beside a trial makes
     one pair of those whose median decides."""
     choice = SessionChoice()
-    run(choice, 3 * TRIAL_PERIOD, lambda i: 0.020, lambda i: 0.014)  # one-thread won three trials
-    run(choice, TRIAL_PERIOD + 1, lambda i: 0.020, lambda i: 0.2 if i == TRIAL_PERIOD - 2 else 0.014)
-    assert len(choice.ratios[4]) == 4 and choice.ratios[4][-1] > 0  # the preempted pair, for the wide session
+    run(choice, 2 * TRIAL_PERIOD + 1, lambda i: 0.020, lambda i: 0.014)  # one-thread won two trials
+    trial = choice.trial_period - choice._since_trial - 1  # the next trial's round in the next run
+    run(choice, trial + 2, lambda i: 0.020, lambda i: 0.2 if i == trial - 1 else 0.014)
+    assert len(choice.ratios[4]) == 3 and choice.ratios[4][-1] > 0  # the preempted pair, for the wide session
     assert not choice.wide(4)
 
 

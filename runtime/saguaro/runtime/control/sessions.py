@@ -14,6 +14,17 @@ the usual session's rounds just before and just after it, at the same width, whi
 machine's load of that moment slowed alike. The rounds use the wide session unless the
 median of the last `PAIRS_KEPT` pairs at that width (the nearest width measured, before
 any at that one) says the other is faster.
+
+A trial of the one-thread session that the wide one wins by `TRIAL_MARGIN` or more doubles
+the period, up to 2^`TRIAL_BACKOFF` periods, and any other trial brings the period back. On
+an idle machine every trial lost by a wide margin (SmolLM2 int8 at one stream: 12.1 ms on
+one thread against 9.1 on both), and a trial once in 32 rounds cost every mode 1% of its
+decoding, autoregressive included. Trials of the wide session stay once a period: its
+threads, idle since its last round, start slower, and spaced out (trials of either
+session, won by any margin), the server's rounds at one stream on the tiny engines settled
+on the one-thread session and ran AR 0.8x as fast; nor are trials spaced where the
+sessions run close (the server at 4-16 streams, its processes sharing the cores), whose
+choice follows the machine's load.
 """
 from __future__ import annotations
 
@@ -21,7 +32,9 @@ import math
 import statistics
 from collections import deque
 
-TRIAL_PERIOD = 32  # rounds without pre-speculation: the other session verifies one in this many
+TRIAL_PERIOD = 32  # rounds without pre-speculation: the other session verifies one in this many ...
+TRIAL_BACKOFF = 3  # ... times 2 for each trial in a row the wide session won clearly, up to 2^this
+TRIAL_MARGIN = 1.2  # clearly: the trial took this many times the usual session's time or more
 PAIRS_KEPT = 5     # trials per width whose median decides (one preempted trial moves nothing)
 
 
@@ -33,7 +46,8 @@ class SessionChoice:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self.ratios: dict[int, deque[float]] = {}  # width -> log(one-thread / wide seconds), by pair
-        self._rounds = 0
+        self._since_trial = 0    # rounds since the last trial
+        self._trials_won = 0     # trials of the one-thread session in a row that the wide one won clearly
         self._asked: tuple[int, bool, bool] | None = None  # this round: tokens, wide, a trial
         self._usual: tuple[int, float] | None = None       # the last usual round: tokens, seconds
         self._trial: tuple[int, float, bool, float | None] | None = None  # tokens, seconds, wide, before
@@ -49,6 +63,11 @@ class SessionChoice:
         return statistics.median(self.ratios[nearest]) >= 0.0
 
     @property
+    def trial_period(self) -> int:
+        """Rounds from one trial to the next: longer while the wide session keeps winning clearly."""
+        return TRIAL_PERIOD << min(self._trials_won, TRIAL_BACKOFF)
+
+    @property
     def trialling(self) -> bool:
         """This round verifies on the session tried once a period (until `verified`)."""
         return self._asked is not None and self._asked[2]
@@ -57,8 +76,10 @@ class SessionChoice:
         """This round's session (True: the wide one); once a period, the other one."""
         if not self.enabled:
             return False
-        self._rounds += 1
-        trial = self._rounds % TRIAL_PERIOD == 0
+        self._since_trial += 1
+        trial = self._since_trial >= self.trial_period
+        if trial:
+            self._since_trial = 0
         wide = self.wide(tokens) != trial
         self._asked = (tokens, wide, trial)
         return wide
@@ -86,5 +107,7 @@ class SessionChoice:
         if not neighbours or tried <= 0:
             return
         usual = sum(neighbours) / len(neighbours)
+        clearly = wide is False and tried >= TRIAL_MARGIN * usual  # the wide session usual, and faster
+        self._trials_won = self._trials_won + 1 if clearly else 0
         one_thread, both = (usual, tried) if wide else (tried, usual)
         self.ratios.setdefault(width, deque(maxlen=PAIRS_KEPT)).append(math.log(one_thread / both))
