@@ -19,11 +19,11 @@ from saguaro.runtime.control.costs import (
     LinearCost,
     Misprediction,
 )
-from saguaro.runtime.control.load_policy import QUIET_ROUNDS, REPLAN_ROUNDS, LoadPolicy
+from saguaro.runtime.control.load_policy import QUIET_ROUNDS, REPLAN_BACKOFF, REPLAN_ROUNDS, LoadPolicy
 from saguaro.runtime.control.probes import PROBE_DRAFTS, PROBE_PERIOD, PROBE_SHARE, probe_period
 from saguaro.runtime.control.round_price import TRIAL_FOLLOWING, Candidate, RoundPrice
 from saguaro.runtime.control.round_report import Plan, RoundReport, SequenceRound, undrafted_reason, verify_size
-from saguaro.runtime.control.sessions import TRIAL_PERIOD, SessionChoice
+from saguaro.runtime.control.sessions import TRIAL_BACKOFF, TRIAL_PERIOD, SessionChoice
 from saguaro.runtime.core.contracts import Rows, Step
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
@@ -500,6 +500,39 @@ def test_speculation_that_does_not_pay_turns_off_probes_every_period_and_comes_b
     assert back < PROBE_PERIOD and better[-1].draft_tokens == 4 and not better[-1].probe
 
 
+def rounds_weighed(policy: LoadPolicy, acceptance: float, rounds: int) -> list[int]:
+    """The rounds in which the policy weighed every K afresh, of `rounds` rounds of one
+    request whose drafts are accepted `acceptance` a depth, probes aside."""
+    weighed, weigh = [], policy._best
+
+    def counted(*args):
+        weighed.append(len(plans))
+        return weigh(*args)
+    policy._best = counted
+    policy.probes.spacing = 1 << 30
+    sequence, plans = FakeSequence(prespeculating=True), []
+    for _ in range(rounds):
+        sequence.plan = policy.choose([sequence])[0]  # a weighing in it counts len(plans)
+        plans.append(sequence.plan)
+        drafts = sequence.plan.draft_tokens
+        policy.record_round(sequence.acceptance, sequence.greedy, drafts, round(acceptance * drafts))
+    return sorted(set(weighed))
+
+
+def test_a_choice_in_which_nothing_drafts_holds_longer_each_time_it_is_made_again():
+    """A weight-bound target where drafts the target always rejects do not pay (a probe
+    could still show otherwise: not hopeless): the choice of K = 0 holds `REPLAN_ROUNDS`,
+    then twice as long each time it is made again, up to 2^REPLAN_BACKOFF times (the
+    weighing was half of the policy's Python at one stream). A choice that drafts holds
+    `REPLAN_ROUNDS` each time: its acceptance moves round by round."""
+    undrafted = policy_with(measured(0.004, 0.0003), measured(0.0003, 0.00002), acceptance=0.0)
+    holds = [REPLAN_ROUNDS << min(i, REPLAN_BACKOFF) for i in range(6)]
+    assert rounds_weighed(undrafted, 0.0, sum(holds)) == [sum(holds[:i]) for i in range(6)]
+    assert not undrafted._hopeless and holds[-1] == REPLAN_ROUNDS << REPLAN_BACKOFF
+    drafting = policy_with(measured(0.004, 0.0003), measured(0.0003, 0.00002), acceptance=1.0)
+    assert rounds_weighed(drafting, 1.0, 5 * REPLAN_ROUNDS) == [i * REPLAN_ROUNDS for i in range(5)]
+
+
 def test_no_probe_while_drafting_could_not_pay_at_this_load_and_one_as_soon_as_it_could():
     """A compute-bound target at 16 requests: even drafts accepted as often as the optimistic
     prior would not pay, so a request due to probe does not (a probe's draft step and
@@ -664,14 +697,14 @@ def replace_quiet(plan: Plan, quiet: int) -> Plan:
 
 
 def to_a_trial(policy: LoadPolicy, tokens: int = 1) -> bool:
-    """Rounds without pre-speculation up to the next on the session tried once a period;
+    """Rounds without pre-speculation up to the next on the session tried now and then;
     whether that is the wide session."""
-    for _ in range(TRIAL_PERIOD):
+    for _ in range(TRIAL_PERIOD << TRIAL_BACKOFF):
         wide = policy.sessions.runs_alone(tokens)
         if policy.sessions.trialling:
             return wide
         policy.sessions.verified(0.004)
-    raise AssertionError("no trial within a period")
+    raise AssertionError("no trial within the longest period")
 
 
 def test_a_trial_moves_its_curve_half_way_down_and_up_only_as_any_round_does():

@@ -69,6 +69,12 @@ SHARED_FADING = 0.995             # of the acceptance counts shared by all reque
 # for every request (about 0.15 ms of Python a round at one request, which on the tiny
 # engines was a tenth of a round), and the estimates it weighs move by a few percent a round.
 REPLAN_ROUNDS = 8
+# ... twice as long for each choice in a row in which nothing drafts, up to 2^this times:
+# with speculation off the estimates it weighs do not move (rounds without drafts count no
+# acceptance; a probe's outcome, which might turn speculation on, is weighed at once), and
+# the weighing (0.35-0.4 ms at one stream on SmolLM2) every 8 rounds of 9 ms was half of
+# the policy's Python (`REPLAN_ROUNDS` is its first hold).
+REPLAN_BACKOFF = 3
 # ... and a choice of K = 0 for all that no K could beat at this load (`_hopeless`), this
 # many, through requests joining and leaving (`_quiet_holds`): weighing every K for 16
 # requests takes 1.5-2 ms of Python, longer than a whole round on the tiny engines.
@@ -90,6 +96,7 @@ class LoadPolicy:
         self._kept: _KeptChoice | None = None  # the last choice, while its batch runs on
         self._hopeless = False  # the last choice: K = 0 for all, and no K could pay at this load
         self._hopeless_choices = 0  # such choices in a row
+        self._undrafted_choices = 0  # choices in a row in which no request drafts, matches included
         self.probes = ProbeSchedule()
         # the round chosen to draft: the model's seconds for it and for the same batch drafting
         # nothing, and whether it pre-speculates
@@ -308,8 +315,10 @@ class LoadPolicy:
         speculating, candidates, ks = max(choices, key=lambda choice: self._rate(choice[1], choice[2]))
         self._hopeless = self._nothing_could_pay(candidates, ks)
         self._hopeless_choices = self._hopeless_choices + 1 if self._hopeless else 0
-        held = quiet_rounds(self._hopeless_choices) if self._hopeless else REPLAN_ROUNDS
-        self._kept = _KeptChoice(speculating, ks, held - 1, self._matched_k(batch, candidates, ks))
+        matched_k = self._matched_k(batch, candidates, ks)
+        self._undrafted_choices = 0 if any(ks) or matched_k else self._undrafted_choices + 1
+        held = quiet_rounds(self._hopeless_choices) if self._hopeless else replan_rounds(self._undrafted_choices)
+        self._kept = _KeptChoice(speculating, ks, held - 1, matched_k)
         self._kept.follow(batch)
         return candidates, ks
 
@@ -456,6 +465,12 @@ def held_plan(last: Plan, prespeculating: bool, matched_tokens: int) -> Plan:
         return last
     return Plan(0, prespeculating, quiet=last.quiet + 1, rejected_probes=last.rejected_probes, undrafted="held",
                 matched_tokens=matched_tokens)
+
+
+def replan_rounds(undrafted_choices: int) -> int:
+    """Rounds a choice holds that is the `undrafted_choices`-th in a row in which nothing
+    drafts (0: it drafts)."""
+    return REPLAN_ROUNDS << min(max(undrafted_choices - 1, 0), REPLAN_BACKOFF)
 
 
 def quiet_rounds(hopeless_choices: int) -> int:
