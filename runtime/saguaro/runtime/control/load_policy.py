@@ -57,6 +57,7 @@ import weakref
 from dataclasses import dataclass, field, replace
 
 from saguaro.runtime.control.acceptance import UNSEEN_ACCEPTANCE, Acceptance
+from saguaro.runtime.control.backoff import doubled
 from saguaro.runtime.control.calibration import measure_calibration
 from saguaro.runtime.control.clock import ClockCheck
 from saguaro.runtime.control.probes import PROBE_DRAFTS, PROBE_PERIOD, ProbeSchedule
@@ -470,12 +471,12 @@ def held_plan(last: Plan, prespeculating: bool, matched_tokens: int) -> Plan:
 def replan_rounds(undrafted_choices: int) -> int:
     """Rounds a choice holds that is the `undrafted_choices`-th in a row in which nothing
     drafts (0: it drafts)."""
-    return REPLAN_ROUNDS << min(max(undrafted_choices - 1, 0), REPLAN_BACKOFF)
+    return doubled(REPLAN_ROUNDS, undrafted_choices - 1, REPLAN_BACKOFF)
 
 
 def quiet_rounds(hopeless_choices: int) -> int:
     """Rounds the `hopeless_choices`-th choice in a row of K = 0 that no K could beat holds."""
-    return QUIET_ROUNDS << min(hopeless_choices - 1, QUIET_BACKOFF)
+    return doubled(QUIET_ROUNDS, hopeless_choices - 1, QUIET_BACKOFF)
 
 
 def without_prespeculation(candidates: list[Candidate]) -> list[Candidate]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+from saguaro.runtime.control.backoff import doubled
 from saguaro.runtime.control.round_report import Plan
 
 PROBE_PERIOD = 32   # rounds: with speculation off, a request drafts in one round of this many ...
@@ -78,4 +79,4 @@ def probe_period(rejected: int) -> int:
     draft that keeps failing is asked less often (each probe's draft step, its cache's
     catch-up and a wider verify had cost the policy a tenth of autoregressive speed at 2-4
     streams through the server), and one accepted draft brings the period back."""
-    return PROBE_PERIOD << min(rejected, PROBE_BACKOFF)
+    return doubled(PROBE_PERIOD, rejected, PROBE_BACKOFF)

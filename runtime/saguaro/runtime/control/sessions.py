@@ -32,6 +32,8 @@ import math
 import statistics
 from collections import deque
 
+from saguaro.runtime.control.backoff import doubled
+
 TRIAL_PERIOD = 32  # rounds without pre-speculation: the other session verifies one in this many ...
 TRIAL_BACKOFF = 3  # ... times 2 for each trial in a row the wide session won clearly, up to 2^this
 TRIAL_MARGIN = 1.2  # clearly: the trial took this many times the usual session's time or more
@@ -65,7 +67,7 @@ class SessionChoice:
     @property
     def trial_period(self) -> int:
         """Rounds from one trial to the next: longer while the wide session keeps winning clearly."""
-        return TRIAL_PERIOD << min(self._trials_won, TRIAL_BACKOFF)
+        return doubled(TRIAL_PERIOD, self._trials_won, TRIAL_BACKOFF)
 
     @property
     def trialling(self) -> bool:
@@ -107,7 +109,7 @@ class SessionChoice:
         if not neighbours or tried <= 0:
             return
         usual = sum(neighbours) / len(neighbours)
-        clearly = wide is False and tried >= TRIAL_MARGIN * usual  # the wide session usual, and faster
+        clearly = not wide and tried >= TRIAL_MARGIN * usual  # a one-thread trial, the wide session faster
         self._trials_won = self._trials_won + 1 if clearly else 0
         one_thread, both = (usual, tried) if wide else (tried, usual)
         self.ratios.setdefault(width, deque(maxlen=PAIRS_KEPT)).append(math.log(one_thread / both))
