@@ -14,6 +14,7 @@ from saguaro.modelmaker.feature_draft import (
     PRESETS,
     draft_vocabulary,
     encoded_prompts,
+    feature_loss,
     initial_head,
     make_feature_draft,
     train_head,
@@ -69,10 +70,11 @@ def test_batched_collection_is_greedy_decoding_one_at_a_time(target, answers):
         n = len(a.ids) - 1
         empty = torch.zeros(2, 1, 2, 0, target.shape.head_dim)
         with torch.no_grad():
-            *_, features = target.model.hidden_concat(torch.tensor([a.ids[:n]]), torch.arange(n)[None],
-                                                      torch.ones(n, n, dtype=torch.bool).tril()[None], empty, empty,
-                                                      LAYERS)
+            last, *_, features = target.model.hidden_concat(torch.tensor([a.ids[:n]]), torch.arange(n)[None],
+                                                            torch.ones(n, n, dtype=torch.bool).tril()[None], empty,
+                                                            empty, LAYERS)
         torch.testing.assert_close(a.features, features[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a.finals, last[0], rtol=1e-4, atol=1e-4)  # what hidden_out is regressed on
 
 
 def test_chain_mask_sees_the_prefix_and_its_own_chain():
@@ -108,8 +110,23 @@ def test_unrolled_steps_are_the_heads_runtime_drafting(target, answers):
     torch.testing.assert_close(second[:, e], chained[:, 0], rtol=1e-5, atol=1e-5)
 
 
+def test_feature_loss_compares_each_step_with_the_position_it_stands_for(answers):
+    """Step j's hidden_out at element e stands for the target's last hidden state at position
+    e + j: the loss is zero exactly there, over fed positions only (not the padding)."""
+    train, _ = answers
+    batch = batch_of(train[:3], 2, 1)
+    for step in (1, 2):
+        exact = batch.finals[:, step:step + batch.width].clone()
+        assert feature_loss(exact, batch, step) == 0
+        off_by_one = batch.finals[:, step - 1:step - 1 + batch.width]
+        assert feature_loss(off_by_one, batch, step) > 0.01
+        padding = ~batch.fed[:, step:step + batch.width]
+        assert padding.any()  # the answers differ in length
+        assert feature_loss(exact + 100.0 * padding.unsqueeze(-1), batch, step) == 0
+
+
 def test_round_replay():
-    answer = Answer(list(range(10)), 3, torch.zeros(9, 1), torch.zeros(7, 1), torch.zeros(7, 1))
+    answer = Answer(list(range(10)), 3, torch.zeros(9, 1), torch.zeros(9, 1), torch.zeros(7, 1), torch.zeros(7, 1))
     hits = [[True] * 10 for _ in range(3)]
     hits[1][2] = False  # the round whose bonus token is at position 3 accepts 1 of k=3
     # rounds: at 3 (accepts 1, next at 5), at 5 (accepts 3, next at 9), at 9: nothing left

@@ -3,7 +3,8 @@
     prompts (token ids) -> one prefill forward per batch of rows, then one token per row
     per `Llama.forward_packed` step over a batch of cache rows (rows that stop leave the
     batch) -> per answer: the tokens, the target's joined features at the head's layers
-    for every position fed, and its top tokens' log-probabilities (soft labels) for every
+    for every position fed, its last layer's output there (what the head's own `hidden_out`
+    is regressed on), and its top tokens' log-probabilities (soft labels) for every
     continuation token.
 
 Run in the model's own dtype: bfloat16 where the CPU has fast bf16 kernels
@@ -24,12 +25,14 @@ from saguaro.runtime.models.llama import Llama
 @dataclass
 class Answer:
     """A prompt and the target's greedy continuation (ending at a stop token if reached),
-    the target's joined features of positions 0..len - 2 (the last token is never fed),
-    and its top tokens and log-probabilities for each continuation token."""
+    the target's joined features and last hidden states of positions 0..len - 2 (the last
+    token is never fed), and its top tokens and log-probabilities for each continuation
+    token."""
 
     ids: list[int]
     start: int                   # index of the first continuation token
     features: torch.Tensor       # [len(ids) - 1, feature_width]
+    finals: torch.Tensor         # [len(ids) - 1, hidden]: the last layer's output, before the final norm
     top_ids: torch.Tensor        # [len(ids) - start, soft_top]
     top_logprobs: torch.Tensor   # [len(ids) - start, soft_top]
 
@@ -72,7 +75,8 @@ def answer_batch(model: Llama, prompts: list[list[int]], new_tokens: int, stop_i
     dtype = model.lm_head.weight.dtype
     layers, heads, dim = model.shape.kv_shape
     kv = torch.zeros(layers, 2, rows, heads, max(lengths) + new_tokens, dim, dtype=dtype)
-    last, features = prefill(model, kv, prompts, feature_layers)
+    taken = (*feature_layers, model.shape.num_layers)  # the features, then the last layer's output
+    last, features = prefill(model, kv, prompts, taken)
     records = [Record(list(p), [features[r, :len(p)]]) for r, p in enumerate(prompts)]
     alive = list(range(rows))
     for step in range(new_tokens):
@@ -82,10 +86,10 @@ def answer_batch(model: Llama, prompts: list[list[int]], new_tokens: int, stop_i
             break
         if len(keep) < kv.shape[2]:  # rows stopped: the batch shrinks (one copy of the cache)
             kv, tokens = kv[:, :, keep], tokens[keep]
-        last, features = decode_step(model, kv, tokens, [len(records[r].ids) - 1 for r in alive], feature_layers)
+        last, features = decode_step(model, kv, tokens, [len(records[r].ids) - 1 for r in alive], taken)
         for row, r in enumerate(alive):
             records[r].features.append(features[row:row + 1])
-    return [record.answer(length) for record, length in zip(records, lengths)]
+    return [record.answer(length, model.shape.hidden_size) for record, length in zip(records, lengths)]
 
 
 @dataclass
@@ -95,9 +99,11 @@ class Record:
     top_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)
     top_logprobs: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
-    def answer(self, start: int) -> Answer:
-        features = torch.cat(self.features)[:len(self.ids) - 1]
-        return Answer(self.ids, start, features.clone(), torch.stack(self.top_ids), torch.stack(self.top_logprobs))
+    def answer(self, start: int, hidden: int) -> Answer:
+        """Each recorded row holds the head's features, then the last layer's output (`hidden` wide)."""
+        taken = torch.cat(self.features)[:len(self.ids) - 1]
+        return Answer(self.ids, start, taken[:, :-hidden].clone(), taken[:, -hidden:].clone(),
+                      torch.stack(self.top_ids), torch.stack(self.top_logprobs))
 
 
 def prefill(model: Llama, kv: torch.Tensor, prompts: list[list[int]], feature_layers):

@@ -23,6 +23,8 @@ class Batch:
 
     ids: torch.Tensor         # [B, W + 1 + steps]: the tokens by position, 0-padded
     features: torch.Tensor    # [B, W, feature_width]: element e holds the feature of position e
+    finals: torch.Tensor      # [B, W + steps, hidden]: the target's last-layer output by position, 0-padded
+    fed: torch.Tensor         # [B, W + steps] bool: positions with a feature and a final (not padding)
     scored: torch.Tensor      # [B, W + 1 + steps] bool: continuation positions (labels)
     soft_ids: torch.Tensor    # [B, W + 1 + steps, soft_top]: target tokens predicting each position
     soft_probs: torch.Tensor  # [B, W + 1 + steps, soft_top]; 0 off the continuation
@@ -34,6 +36,8 @@ def batch_of(answers: list[Answer], steps: int, soft_top: int) -> Batch:
     count, span = len(answers), width + 1 + steps
     ids = torch.zeros(count, span, dtype=torch.long)
     features = torch.zeros(count, width, answers[0].features.shape[-1], dtype=answers[0].features.dtype)
+    finals = torch.zeros(count, width + steps, answers[0].finals.shape[-1], dtype=answers[0].finals.dtype)
+    fed = torch.zeros(count, width + steps, dtype=torch.bool)
     scored = torch.zeros(count, span, dtype=torch.bool)
     soft_ids = torch.zeros(count, span, soft_top, dtype=torch.long)
     soft_probs = torch.zeros(count, span, soft_top)
@@ -41,10 +45,12 @@ def batch_of(answers: list[Answer], steps: int, soft_top: int) -> Batch:
         end = len(a.ids)
         ids[row, :end] = torch.tensor(a.ids)
         features[row, :end - 1] = a.features
+        finals[row, :end - 1] = a.finals
+        fed[row, :end - 1] = True
         scored[row, a.start:end] = True
         soft_ids[row, a.start:end] = a.top_ids[:, :soft_top]
         soft_probs[row, a.start:end] = a.top_logprobs[:, :soft_top].float().exp()
-    return Batch(ids, features, scored, soft_ids, soft_probs, width)
+    return Batch(ids, features, finals, fed, scored, soft_ids, soft_probs, width)
 
 
 def chain_mask(width: int, step: int) -> torch.Tensor:

@@ -10,7 +10,10 @@
     -> training-time test (EAGLE-3): each step unrolls `ttt_steps` drafting steps, the
        first on the target's features, the later ones on the head's own `hidden_out`,
        attending to the true-feature keys before the chain and to the chain's own keys;
-       loss = cross-entropy against the target's soft labels and its greedy tokens
+       loss = cross-entropy against the target's soft labels and its greedy tokens, plus
+       each step's `hidden_out` regressed on the target's last-layer output at the position
+       it stands for (EAGLE-1's feature loss; here it keeps a head trained on few answers
+       from learning them by heart)
     -> held-out report: greedy agreement per token (true features), the mean accepted
        length at K (each round drafts K tokens on its own features and counts the prefix
        the target's greedy answer agrees with), and the head's cost per step against the
@@ -71,6 +74,10 @@ class FeatureDraftSettings:
     step_decay: float = 0.8      # weight of step j's loss: step_decay ** (j - 1)
     soft_top: int = 16           # target tokens per position whose probabilities the head learns
     soft_weight: float = 1.0     # weight of that soft term against the greedy-token term
+    # weight of the regression of each step's hidden_out on the target's last-layer output
+    # (smooth L1): 1.0 raised held-out agreement 0.385 -> 0.414 on 384 answers x 1200 steps
+    # (docs/drafts.md, "The feature loss")
+    feature_weight: float = 1.0
     k: int = 4                   # the draft length acceptance is reported for
     threads: int = 2
     seed: int = 0
@@ -137,8 +144,18 @@ def ttt_loss(head: FeatureHead, batch: Batch, settings: FeatureDraftSettings) ->
         rows = output_rows_of(head)[labels[scored]]
         hard = F.nll_loss(log_q, torch.where(rows == unscored, -100, rows), ignore_index=-100)
         soft = soft_cross_entropy(log_q, output_rows_of(head)[soft_ids[scored]], soft_probs[scored], unscored)
-        total = total + settings.step_decay ** (step - 1) * (hard + settings.soft_weight * soft)
+        loss = hard + settings.soft_weight * soft + settings.feature_weight * feature_loss(hidden, batch, step)
+        total = total + settings.step_decay ** (step - 1) * loss
     return cast(torch.Tensor, total)  # a tensor after the first of the ttt_steps
+
+
+def feature_loss(hidden: torch.Tensor, batch: Batch, step: int) -> torch.Tensor:
+    """Step `step`'s hidden_out at element e stands for the target's last hidden state at
+    position e + step (the one its norm and lm_head score): smooth L1 between the two,
+    wherever that position was fed (prompt positions too: they have no labels)."""
+    span = slice(step, step + batch.width)
+    fed = batch.fed[:, span]
+    return F.smooth_l1_loss(hidden[fed].float(), batch.finals[:, span][fed].float())
 
 
 def train_head(head: FeatureHead, answers: list[Answer], settings: FeatureDraftSettings, bf16: bool,
