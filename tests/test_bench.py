@@ -12,7 +12,7 @@ def test_bench_reports_engine_costs_and_all_modes_side_by_side(tiny_engines, tmp
     figures = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--engines", str(tiny_engines),
                              "-k", "3", "--budget", "4", "--prompts", "2", "--max-tokens", "16",
-                             "--repeats", "3", "--json", str(figures)],
+                             "--repeats", "3", "--ignore-eos", "--json", str(figures)],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
@@ -30,6 +30,21 @@ def test_bench_reports_engine_costs_and_all_modes_side_by_side(tiny_engines, tmp
     assert [m["tokens"] for m in modes.values()] == [2 * 16] * 4  # every mode generates exactly max tokens
     assert any(name.startswith("ssd load policy") for name in modes)  # K chosen per round, side by side
     assert all(m["prefill_s"] > 0 and m["decode_tokens_per_s"] > 0 for m in modes.values())
+
+
+def test_answers_end_where_the_model_ends_them_unless_eos_is_ignored():
+    from types import SimpleNamespace
+
+    from saguaro.benchmarks.bench import mode_options
+
+    def stops(ignore_eos: bool) -> set:
+        args = SimpleNamespace(max_tokens=64, ignore_eos=ignore_eos, saguaro=0.5)
+        modes = mode_options(args, 4, dict(fanout=(3,), budget=None))
+        assert len(modes) == 5 and all(options.max_tokens == 64 for _, options in modes)
+        return {options.eos_token_id for _, options in modes}
+
+    assert stops(False) == {None}  # the model's own end-of-generation tokens, in every mode
+    assert stops(True) == {-1}     # never stop early
 
 
 def test_bench_needs_engines_for_the_engine_suite_and_placement(tmp_path):
@@ -71,3 +86,17 @@ def test_modes_run_interleaved_prompt_by_prompt_in_turned_order_each_pass_the_ot
     assert list(totals) == ["a", "b", "c"]  # the table keeps the modes' order
     assert all(t["tokens"] == 40 and t["decode_tokens_per_s"] == 10.0 and t["accepted"] == 2.0
                for t in totals.values())
+
+
+def test_transformers_rows_stop_at_the_end_of_generation_unless_told_to_go_on(tiny_pair):
+    import torch
+
+    from saguaro.benchmarks.assisted import generate_timed, load_model
+
+    model = load_model(tiny_pair / "target")
+    prompt = [1, 5, 9, 13]
+    with torch.inference_mode():
+        first = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
+    # the greedy first token made the end of generation: the answer is that one token
+    assert generate_timed(model, prompt, 12, False, eos_token_id=first)[1] == 1
+    assert generate_timed(model, prompt, 12, True, eos_token_id=first)[1] == 12  # exactly max tokens

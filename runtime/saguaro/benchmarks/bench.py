@@ -9,8 +9,9 @@ reported as figures and ratios, never asserted (machines are noisy).
 
 Default: the engine-level costs at one context (target decode, verify of K+1 tokens,
 draft decode, tree steps), then every mode over the same prompts, interleaved prompt by
-prompt so that the machine's busy spells fall on all of them, every one generating
-exactly --max-tokens tokens: decode tokens/s (prefill apart), speed-up over
+prompt so that the machine's busy spells fall on all of them, each answer ending at the
+model's end of generation or after --max-tokens tokens (--ignore-eos: exactly --max-tokens,
+on past the answer's end): decode tokens/s (prefill apart), speed-up over
 autoregressive, drafts verified per round (K/rnd), acceptance, cache hit rate, the split of time between verifying,
 drafting on the critical path and waiting; with checkpoints (or --assisted on engines
 whose checkpoints exist) also transformers' greedy and assisted generation.
@@ -65,7 +66,10 @@ def parse_args(argv=None):
     parser.add_argument("--num-draft-tokens", "-k", type=int, default=DECODE_DEFAULTS.num_draft_tokens)
     parser.add_argument("--fanout", type=flag_type(parse_fanout), default=DECODE_DEFAULTS.fanout)
     parser.add_argument("--budget", type=flag_type(parse_budget), help="B, or 'auto'")
-    parser.add_argument("--max-tokens", type=int, default=128, help="tokens every prompt generates")
+    parser.add_argument("--max-tokens", type=int, default=128, help="the most tokens a prompt generates")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="every prompt generates exactly --max-tokens tokens, on past its answer's end (what a "
+                             "chat model writes there, a new turn it was never asked for, is not what users decode)")
     parser.add_argument("--prompts", type=int, default=4, help="how many of the built-in prompts")
     parser.add_argument("--chat", action="store_true", help="chat questions rendered with the model's template")
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -147,8 +151,9 @@ def finished(totals: dict) -> dict:
 
 
 def mode_options(args, k: int, branch_options: dict) -> list[tuple[str, DecodeOptions]]:
-    """Every mode generates exactly max_tokens (no early end), as transformers' rows do."""
-    common = dict(max_tokens=args.max_tokens, eos_token_id=-1)
+    """Every mode stops where the model ends its answer (greedy: the same tokens in every
+    mode), or with --ignore-eos generates exactly max_tokens, as transformers' rows do."""
+    common = dict(max_tokens=args.max_tokens, eos_token_id=-1 if args.ignore_eos else None)
     branches = DecodeOptions(num_draft_tokens=k, **branch_options).fanout_policy().max_branches
     modes = [("autoregressive", DecodeOptions(mode="autoregressive", **common)),
              (f"speculative K={k}", DecodeOptions(mode="speculative", num_draft_tokens=k, **common)),
@@ -223,7 +228,8 @@ def run_modes(args) -> dict:
     sampling = bench_sampling(args)
     encode = pipeline.encode_chat if args.chat else pipeline.encode
     prompts = [encode(text) for text in (CHAT_PROMPTS if args.chat else PROMPTS)[: args.prompts]]
-    print(f"{len(prompts)} prompts x {args.max_tokens} tokens, the modes interleaved prompt by prompt; "
+    length = f"{args.max_tokens}" if args.ignore_eos else f"up to {args.max_tokens}"
+    print(f"{len(prompts)} prompts x {length} tokens, the modes interleaved prompt by prompt; "
           "tok/s counts decoding, prefill is per prompt")
     print(f"{'mode':24s} {'tok/s':>7s} {'vs AR':>6s} {'prefill ms':>10s} {'K/rnd':>5s} {'acc/rnd':>7s} {'hit%':>5s} "
           f"{'pre/fresh':>9s} {'verify s':>8s} {'draft s':>8s} {'wait s':>7s}")
@@ -231,9 +237,12 @@ def run_modes(args) -> dict:
     baseline = figures["modes"]["autoregressive"]["decode_tokens_per_s"]
     for name, totals in figures["modes"].items():
         print(mode_row(name, totals, baseline, len(prompts)))
+    if not args.ignore_eos:
+        print(f"tokens decoded: {figures['modes']['autoregressive']['tokens']} autoregressive "
+              f"(of {len(prompts) * args.max_tokens} at most; the answers end where the model ends them)")
     checkpoints = checkpoints_for_assisted(args)
     if checkpoints is not None and args.temperature == 0:
-        for name, timing in transformers_timings(*checkpoints, prompts, args.max_tokens).items():
+        for name, timing in transformers_timings(*checkpoints, prompts, args.max_tokens, args.ignore_eos).items():
             print(transformers_row(name, timing, baseline, len(prompts)))
             figures["modes"][name] = {"tokens": timing.tokens, "total_s": timing.total_s,
                                       "prefill_s": timing.prefill_s,
