@@ -11,13 +11,16 @@ import torch
 from saguaro.modelmaker.feature_answers import Answer, collect_answers
 from saguaro.modelmaker.feature_chains import batch_of, chain_mask, unrolled
 from saguaro.modelmaker.feature_draft import (
+    PASSES,
     PRESETS,
     draft_vocabulary,
     encoded_prompts,
     feature_loss,
     initial_head,
     make_feature_draft,
+    target_answers,
     train_head,
+    training_room,
 )
 from saguaro.modelmaker.feature_report import acceptance, round_lengths
 from saguaro.modelmaker.train import TrainSettings
@@ -44,17 +47,34 @@ def answers(target):
     return train, held_out
 
 
-def test_answers_start_no_batch_past_their_deadline_but_the_first(target):
-    """A bounded run's training answers stop at their share of its time, so that training
-    keeps the rest (on a machine four times slower the quick preset's answers had taken
-    all of its budget)."""
+def test_answers_stop_where_room_says_more_is_not_worth_it_but_the_first_batch(target):
+    """A bounded run answers no more prompts than leave training the steps they are worth
+    (on a 2-core AVX2 host the quick preset's 192 answers had left it 50 steps)."""
     prompts = encoded_prompts(target.tokenizer, TINY, False)[:12]
-    late = collect_answers(target.model, prompts, TINY.new_tokens, 4, target.eos_token_ids, 4, LAYERS,
-                           until=time.monotonic() - 1.0)
-    assert len(late) == 4
+    asked: list[tuple[int, float]] = []
+
+    def none_more(count: int, ends: float) -> bool:
+        asked.append((count, ends))
+        return False
+
+    started = time.monotonic()
+    late = collect_answers(target.model, prompts, TINY.new_tokens, 4, target.eos_token_ids, 4, LAYERS, room=none_more)
+    assert len(late) == 4 and len(asked) == 1
+    count, ends = asked[0]
+    assert count == 8 and ends > time.monotonic() > started  # the next batch's end, at the pace so far
     timely = collect_answers(target.model, prompts, TINY.new_tokens, 4, target.eos_token_ids, 4, LAYERS,
-                             until=time.monotonic() + 600.0)
-    assert len(timely) == 12 and [a.ids for a in timely[:4]] == [a.ids for a in late]
+                             room=lambda count, ends: count <= 8)
+    assert len(timely) == 8 and [a.ids for a in timely[:4]] == [a.ids for a in late]
+
+
+def test_training_room_leaves_the_steps_answers_are_worth():
+    settings = dataclasses.replace(TINY, train=dataclasses.replace(TINY.train, steps=100, batch_size=4))
+    room = training_room(settings, step_seconds=0.5, deadline=1000.0)
+    # 40 answers are worth PASSES * 40 / 4 = 80 steps, 40 s: room until 960
+    assert room(40, 960.0) and not room(40, 960.5)
+    # many answers are worth at most the preset's 100 steps (50 s)
+    assert room(4000, 950.0) and not room(4000, 950.5)
+    assert PASSES == 8
 
 
 def test_batched_collection_is_greedy_decoding_one_at_a_time(target, answers):
@@ -142,6 +162,17 @@ def test_short_training_raises_held_out_agreement(target, answers):
     after = acceptance(head, held_out, 4)
     assert after["agreement"] > before["agreement"] + 0.2 and after["mean_accepted"] > before["mean_accepted"]
     assert after["tokens_scored"] == sum(len(a.continuation) for a in held_out)
+
+
+def test_a_bounded_run_times_its_steps_then_answers_what_they_leave_room_for(target):
+    settings = dataclasses.replace(TINY, train_prompts=16, held_out_prompts=4, new_tokens=6, generation_batch=4)
+    seconds: dict = {}
+    train, held_out = target_answers(target, settings, LAYERS, False, False, seconds, deadline=time.monotonic())
+    assert len(held_out) == 4 and len(train) == 4  # past its deadline: the first batch only
+    assert seconds["pace"] > 0 and held_out[0].top_ids.shape[1] == settings.soft_top
+    unbounded: dict = {}
+    train, _ = target_answers(target, settings, LAYERS, False, False, unbounded)
+    assert len(train) == 16 and "pace" not in unbounded
 
 
 def test_draft_folder_is_a_release_format_head(tiny_pair, target, tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,20 +51,29 @@ def fast_bfloat16() -> bool:
     return torch.backends.mkldnn.is_available() and ("avx512_bf16" in flags or "amx_bf16" in flags)
 
 
+# Whether another batch of answers is worth starting: given the answers it would bring the
+# total to and when it would end at the pace so far (`time.monotonic()`).
+Room = Callable[[int, float], bool]
+
+
 @torch.no_grad()
 def collect_answers(model: Llama, prompts: list[list[int]], new_tokens: int, batch: int, stop_ids: tuple[int, ...],
                     soft_top: int, feature_layers: tuple[int, ...], progress: bool = False,
-                    until: float | None = None) -> list[Answer]:
+                    room: Room | None = None) -> list[Answer]:
     """Greedy answers to `prompts` (token ids) in batches of `batch` sequences, in the
-    model's own dtype; rows that have stopped leave the batch. `until` (`time.monotonic()`):
-    no batch starts after it, the first one aside."""
+    model's own dtype; rows that have stopped leave the batch. `room`: asked before each
+    batch but the first, whether it is worth starting; the first is always answered."""
     answers: list[Answer] = []
+    started = time.monotonic()
     for first in range(0, len(prompts), batch):
-        if answers and until is not None and time.monotonic() >= until:
-            if progress:
-                print(f"  stopped at {len(answers)} answers: their share of the run's time is up", flush=True)
-            break
-        answers += answer_batch(model, prompts[first:first + batch], new_tokens, stop_ids, soft_top, feature_layers)
+        chunk = prompts[first:first + batch]
+        if answers and room is not None:
+            batch_seconds = (time.monotonic() - started) / (first // batch)
+            if not room(len(answers) + len(chunk), time.monotonic() + batch_seconds):
+                if progress:
+                    print(f"  stopped at {len(answers)} answers: more would leave training too few steps", flush=True)
+                break
+        answers += answer_batch(model, chunk, new_tokens, stop_ids, soft_top, feature_layers)
         if progress:
             print(f"  target answered {len(answers)}/{len(prompts)} prompts", flush=True)
     return answers

@@ -30,6 +30,7 @@ import dataclasses
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -47,11 +48,11 @@ from saguaro.modelmaker.draft_for import (
 )
 from saguaro.modelmaker.draft_prompts import prompt_set
 from saguaro.modelmaker.draft_training import output_rows_of, soft_cross_entropy
-from saguaro.modelmaker.feature_answers import Answer, collect_answers, fast_bfloat16
+from saguaro.modelmaker.feature_answers import Answer, Room, collect_answers, fast_bfloat16
 from saguaro.modelmaker.feature_chains import Batch, batch_of, unrolled
 from saguaro.modelmaker.feature_report import acceptance, head_decode_cost, step_seconds
 from saguaro.modelmaker.model_pair import pinned_torch
-from saguaro.modelmaker.train import TrainSettings, fit
+from saguaro.modelmaker.train import TrainSettings, fit, make_optimizer
 from saguaro.runtime.models.checkpoint import DRAFT_REPORT, load_checkpoint
 from saguaro.runtime.models.feature_head import FeatureHead, FeatureHeadShape, default_feature_layers, save_feature_head
 from saguaro.runtime.models.llama import Features, Llama
@@ -160,6 +161,12 @@ def feature_loss(hidden: torch.Tensor, batch: Batch, step: int) -> torch.Tensor:
 
 def train_head(head: FeatureHead, answers: list[Answer], settings: FeatureDraftSettings, bf16: bool,
                progress: bool, deadline: float | None = None) -> list[float]:
+    return fit(head, settings.train, loss_on_draws(head, answers, settings, bf16), progress, "feature head", deadline)
+
+
+def loss_on_draws(head: FeatureHead, answers: list[Answer], settings: FeatureDraftSettings,
+                  bf16: bool) -> Callable[[], torch.Tensor]:
+    """Each call: the loss on `settings.train.batch_size` answers drawn at random (seeded)."""
     draws = torch.Generator().manual_seed(settings.seed)
 
     def batch_loss() -> torch.Tensor:
@@ -168,7 +175,26 @@ def train_head(head: FeatureHead, answers: list[Answer], settings: FeatureDraftS
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             return ttt_loss(head, batch, settings)
 
-    return fit(head, settings.train, batch_loss, progress, "feature head", deadline)
+    return batch_loss
+
+
+def training_pace(head: FeatureHead, answers: list[Answer], settings: FeatureDraftSettings, bf16: bool,
+                  steps: int = 2) -> float:
+    """Seconds a training step takes on this machine now: `steps` steps of `head` (a
+    throwaway) over `answers`, after one untimed (the optimiser's state is made there)."""
+    batch_loss = loss_on_draws(head, answers, settings, bf16)
+    optimizer = make_optimizer(head, settings.train)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        batch_loss().backward()
+        optimizer.step()
+
+    step()
+    mark = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - mark) / steps
 
 
 # The whole run.
@@ -184,11 +210,11 @@ def make_feature_draft(target_dir: str | Path, out: str | Path,
     layers = tuple(feature_layers or default_feature_layers(checkpoint.shape.num_layers))
     Features(layers, checkpoint.shape.num_layers)  # refuses layers outside the target's, before any work
     seconds: dict[str, float] = {}
-    deadline, answers_until = run_deadline(settings), answers_deadline(settings)
+    deadline = run_deadline(settings)
     bf16 = fast_bfloat16()
     with pinned_torch(settings.threads):
         torch.manual_seed(settings.seed)
-        train, held_out = target_answers(checkpoint, settings, layers, bf16, progress, seconds, answers_until)
+        train, held_out = target_answers(checkpoint, settings, layers, bf16, progress, seconds, deadline)
         vocab_ids = draft_vocabulary(train, settings.draft_vocab_size, checkpoint.shape.vocab_size,
                                      checkpoint.eos_token_ids)
         head = initial_head(checkpoint.model, layers, vocab_ids, settings.seed)
@@ -221,12 +247,13 @@ def make_feature_draft(target_dir: str | Path, out: str | Path,
 
 
 REPORT_RESERVE_S = 12.0  # the held-out report and saving after training (5 s on the full preset), and the imports before
-# The training answers' share of a bounded run: no batch of them starts after it, so that
-# training keeps the rest. On 2 cores they take less (the quick preset about 40%, the full
-# one 11-16 of 29 minutes); on a machine four times slower the quick preset's 192 answers
-# had taken 344 s of its 2.9 minutes' budget, and left training 11 steps (a step trains on
-# 4 answers: answers no step reaches teach nothing).
-ANSWERS_SHARE = 0.6
+# The passes over its answers a head's training is worth: a bounded run answers no more
+# prompts than leave time for this many (or the preset's steps, if fewer). The quick
+# preset on a 2-core AVX2 host with fp32 answers (docs/drafts.md, "Answers sized to the
+# steps"): 192 answers left 50 steps (held-out agreement 0.147); 128 answers x 141 steps
+# 0.222, 96 x 185 0.235, 64 x 237 0.226. Where answers are fast (bf16) every prompt is
+# answered, as before.
+PASSES = 8
 
 
 def run_deadline(settings: FeatureDraftSettings) -> float | None:
@@ -236,32 +263,53 @@ def run_deadline(settings: FeatureDraftSettings) -> float | None:
     return time.monotonic() + 60 * settings.minutes - REPORT_RESERVE_S
 
 
-def answers_deadline(settings: FeatureDraftSettings) -> float | None:
-    """When the last batch of training answers may start (`time.monotonic()`)."""
-    if settings.minutes is None:
-        return None
-    return time.monotonic() + 60 * settings.minutes * ANSWERS_SHARE
+def training_room(settings: FeatureDraftSettings, step_seconds: float, deadline: float) -> Room:
+    """Whether answers that reach `count` at `ends` still leave training, by `deadline`,
+    the steps they are worth: `PASSES` over them at `batch_size` answers a step, at most
+    the preset's steps, each taking `step_seconds`."""
+    def room(count: int, ends: float) -> bool:
+        steps = min(settings.train.steps, PASSES * count / settings.train.batch_size)
+        return ends + steps * step_seconds <= deadline
+
+    return room
 
 
 def target_answers(checkpoint, settings: FeatureDraftSettings, layers: tuple[int, ...], bf16: bool,
-                   progress: bool, seconds: dict, until: float | None = None) -> tuple[list[Answer], list[Answer]]:
-    """Training answers in bf16 when fast (features stored in it), held-out ones in fp32."""
-    stops = checkpoint.eos_token_ids
+                   progress: bool, seconds: dict, deadline: float | None = None) -> tuple[list[Answer], list[Answer]]:
+    """Held-out answers in fp32, then training answers (in bf16 when fast, features stored
+    in it): within a `deadline`, as many as leave training the steps they are worth, at
+    the pace of training steps timed here on the held-out answers."""
+    mark = time.perf_counter()
+    say(progress, f"target answering {settings.held_out_prompts} held-out prompts (fp32)")
+    held_out = collect_answers(checkpoint.model, encoded_prompts(checkpoint.tokenizer, settings, True),
+                               settings.new_tokens, settings.generation_batch, checkpoint.eos_token_ids,
+                               settings.soft_top, layers, progress)
+    seconds["held_out_answers"] = time.perf_counter() - mark
+    room = None
+    if deadline is not None:
+        mark = time.perf_counter()
+        step_seconds = training_pace(provisional_head(checkpoint.model, layers, held_out, settings), held_out,
+                                     settings, bf16)
+        seconds["pace"] = time.perf_counter() - mark
+        room = training_room(settings, step_seconds, deadline)
+        say(progress, f"  a training step takes {step_seconds:.2f} s here: answers stop where more would leave "
+                      f"fewer than {PASSES} passes over them")
     collector = copy.deepcopy(checkpoint.model).to(torch.bfloat16) if bf16 else checkpoint.model
     mark = time.perf_counter()
     say(progress, f"target answering {settings.train_prompts} training prompts ({settings.new_tokens} tokens, "
                   f"batches of {settings.generation_batch}, {'bf16' if bf16 else 'fp32'})")
     train = collect_answers(collector, encoded_prompts(checkpoint.tokenizer, settings, False),
-                            settings.new_tokens, settings.generation_batch, stops, settings.soft_top, layers, progress,
-                            until)
-    del collector
+                            settings.new_tokens, settings.generation_batch, checkpoint.eos_token_ids,
+                            settings.soft_top, layers, progress, room)
     seconds["target_answers"] = time.perf_counter() - mark
-    mark = time.perf_counter()
-    say(progress, f"target answering {settings.held_out_prompts} held-out prompts (fp32)")
-    held_out = collect_answers(checkpoint.model, encoded_prompts(checkpoint.tokenizer, settings, True),
-                               settings.new_tokens, settings.generation_batch, stops, 1, layers, progress)
-    seconds["held_out_answers"] = time.perf_counter() - mark
     return train, held_out
+
+
+def provisional_head(target: Llama, layers: tuple[int, ...], answers: list[Answer],
+                     settings: FeatureDraftSettings) -> FeatureHead:
+    """A head of the run's shape, only to time training steps on."""
+    vocab_ids = draft_vocabulary(answers, settings.draft_vocab_size, target.shape.vocab_size, ())
+    return initial_head(target, layers, vocab_ids, settings.seed)
 
 
 def encoded_prompts(tokenizer, settings: FeatureDraftSettings, held_out: bool) -> list[list[int]]:
