@@ -52,7 +52,7 @@ from saguaro.modelmaker.feature_answers import Answer, Room, collect_answers, fa
 from saguaro.modelmaker.feature_chains import Batch, batch_of, unrolled
 from saguaro.modelmaker.feature_report import acceptance, head_decode_cost, step_seconds
 from saguaro.modelmaker.model_pair import pinned_torch
-from saguaro.modelmaker.train import TrainSettings, fit, make_optimizer
+from saguaro.modelmaker.train import TrainSettings, fit
 from saguaro.runtime.models.checkpoint import DRAFT_REPORT, load_checkpoint
 from saguaro.runtime.models.feature_head import FeatureHead, FeatureHeadShape, default_feature_layers, save_feature_head
 from saguaro.runtime.models.llama import Features, Llama
@@ -181,19 +181,11 @@ def loss_on_draws(head: FeatureHead, answers: list[Answer], settings: FeatureDra
 def training_pace(head: FeatureHead, answers: list[Answer], settings: FeatureDraftSettings, bf16: bool,
                   steps: int = 2) -> float:
     """Seconds a training step takes on this machine now: `steps` steps of `head` (a
-    throwaway) over `answers`, after one untimed (the optimiser's state is made there)."""
+    throwaway) over `answers`, after one untimed (the first forwards warm the kernels)."""
     batch_loss = loss_on_draws(head, answers, settings, bf16)
-    optimizer = make_optimizer(head, settings.train)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        batch_loss().backward()
-        optimizer.step()
-
-    step()
+    fit(head, dataclasses.replace(settings.train, steps=1), batch_loss, False, "")
     mark = time.perf_counter()
-    for _ in range(steps):
-        step()
+    fit(head, dataclasses.replace(settings.train, steps=steps), batch_loss, False, "")
     return (time.perf_counter() - mark) / steps
 
 
