@@ -142,7 +142,7 @@ PRODUCT_OF_BUILD = ("saguaro.compiler", "saguaro.modelmaker")
     # the batch loop sees engines only through the contracts (the TensorRT-LLM request
     # loop opens its own draft engine)
     *[(f"saguaro.runtime.decoding.{loop}", ("saguaro.runtime.engines",))
-      for loop in ("decoder", "rounds", "speculator", "verifier", "scheduler")],
+      for loop in ("decoder", "requests", "rounds", "speculator", "verifier", "scheduler")],
 ])
 def test_layering_reads_one_way(importer, forbidden):
     graph = import_graph(named=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from saguaro.runtime.core.options import DecodeOptions
-from saguaro.runtime.decoding.decoder import Generation, Request
+from saguaro.runtime.decoding.requests import Generation, Request
 
 MakeRequests = Callable[[DecodeOptions], list[Request]]
 

@@ -25,7 +25,8 @@ from saguaro.runtime.core.options import (
 )
 from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.decoding import tensorrt_llm_loop
-from saguaro.runtime.decoding.decoder import Cancelled, Decoder, Generation, OnStart, OnTokens, Request
+from saguaro.runtime.decoding.decoder import Decoder
+from saguaro.runtime.decoding.requests import Cancelled, Generation, OnStart, OnTokens, Request
 from saguaro.runtime.decoding.scheduler import Scheduler
 from saguaro.runtime.engines import REQUEST_LEVEL_BACKENDS, load_engine_tokenizer, open_engine
 from saguaro.runtime.engines.manifest import validate_engine_dir

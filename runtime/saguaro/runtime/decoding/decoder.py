@@ -19,8 +19,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
-from typing import Callable
+from dataclasses import replace
 from typing import Sequence as Seq
 
 from saguaro.runtime.control.acceptance import Acceptance
@@ -35,74 +34,12 @@ from saguaro.runtime.core.contracts import (
     VerifyStep,
     draft_cache_capacity,
 )
-from saguaro.runtime.core.options import DecodeOptions
-from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.core.stats import GenerationStats, stopwatch
 from saguaro.runtime.decoding.gil import beside_the_target
+from saguaro.runtime.decoding.requests import Generation, Output, Request, finish
 from saguaro.runtime.decoding.rounds import take_speculation
 from saguaro.runtime.decoding.speculator import Speculator, empty_draft, lockstep
 from saguaro.runtime.decoding.verifier import Verifier
-
-OnTokens = Callable[[list[int]], None]
-Cancelled = Callable[[], bool]
-OnStart = Callable[[GenerationStats], None]
-
-
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    options: DecodeOptions
-    sampling: SamplingParams            # seeded (`SamplingParams.with_seed`)
-    eos_token_ids: frozenset[int] = frozenset()
-    on_tokens: OnTokens | None = None
-    cancelled: Cancelled = lambda: False
-    # Given a list, each committed token's log-probability under the target is appended
-    # to it (before `on_tokens` hears of the token); see `saguaro.runtime.core.logprobs`.
-    logprobs: list[float] | None = None
-    # Told once, when the request joins a batch, of the stats its rounds will update.
-    on_start: OnStart | None = None
-
-
-@dataclass
-class Generation:
-    prompt_ids: list[int]
-    output_ids: list[int]
-    finish_reason: str  # "eos", "length" (max_tokens), "context" (cache full), "cancelled"
-    stats: GenerationStats
-    seed: int | None = None  # the sampling seed, so a sampled generation can be replayed
-
-
-class Output:
-    """Committed tokens, clipped to max_tokens, the context, and the first end token."""
-
-    new: list[int]
-    finish_reason: str | None
-
-    def __init__(self, request: Request, max_context: int):
-        self.ids, self.new = list(request.prompt_ids), []
-        self.max_tokens, self.max_context = request.options.max_tokens, max_context
-        self.eos, self.on_tokens = request.eos_token_ids, request.on_tokens
-        self.logprobs = request.logprobs
-        self.finish_reason = None
-
-    @property
-    def room(self) -> int:
-        return min(self.max_tokens - len(self.new), self.max_context - len(self.ids))
-
-    def commit(self, tokens: list[int], logprobs: tuple[float, ...] | None = None) -> None:
-        tokens = tokens[:self.room]
-        ends = [i for i, token in enumerate(tokens) if token in self.eos]
-        if ends:
-            tokens = tokens[:ends[0] + 1]
-            self.finish_reason = "eos"
-        if self.logprobs is not None:
-            self.logprobs += list(logprobs or ())[:len(tokens)]
-        self.ids += tokens
-        self.new += tokens
-        if self.on_tokens and tokens:
-            self.on_tokens(tokens)
-        if self.finish_reason is None and self.room <= 0:
-            self.finish_reason = "length" if len(self.new) >= self.max_tokens else "context"
 
 
 class Sequence:
@@ -281,11 +218,6 @@ def prespeculation_measured(batch: list[Sequence], speculations: list[Speculatio
         return None
     rows = sum(len(speculation.drafts) for speculation in speculations)
     return rows, max(s.round_draft_tokens for s in batch) + 1, speculations[0].seconds
-
-
-def finish(out: Output, stats: GenerationStats, started: float, seed: int | None) -> Generation:
-    stats.tokens, stats.total_s = len(out.new), time.perf_counter() - started
-    return Generation(out.ids[:len(out.ids) - len(out.new)], out.new, out.finish_reason or "cancelled", stats, seed)
 
 
 class Decoder:

@@ -27,7 +27,8 @@ from concurrent.futures import Future
 from typing import Callable
 
 from saguaro.runtime.control.round_report import RoundReport
-from saguaro.runtime.decoding.decoder import Decoder, Request, Sequence
+from saguaro.runtime.decoding.decoder import Decoder, Sequence
+from saguaro.runtime.decoding.requests import Request
 
 LOG = logging.getLogger(__name__)
 

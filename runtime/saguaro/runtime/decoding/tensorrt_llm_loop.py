@@ -46,7 +46,7 @@ from saguaro.runtime.core.contracts import Draft, EngineInfo, VerifyResult, draf
 from saguaro.runtime.core.options import DecodeOptions
 from saguaro.runtime.core.sampling import SamplingParams
 from saguaro.runtime.core.stats import GenerationStats
-from saguaro.runtime.decoding.decoder import Generation, Output, Request, finish
+from saguaro.runtime.decoding.requests import Generation, Output, Request, finish
 from saguaro.runtime.decoding.rounds import DraftRounds
 from saguaro.runtime.decoding.speculator import Speculator
 from saguaro.runtime.engines import load_draft_engine
