@@ -34,15 +34,18 @@ python scripts/build_engines.py --config smollm2 --precision fp32 --target "$TAR
   --out "$ENGINES" --quiet
 took
 
-# --compare: both modes in this one process, each once untimed (an engine's first forwards
-# cost more), then ten runs each taking turns: the answer is short, one run's time is noise
+# --draft-method ngram+model: a round whose next token the conversation's own earlier tokens
+# propose (an answer quoting its question) is drafted by matching them, with no forward of
+# the head; other rounds are the head's. --compare: both modes in this one process, each
+# once untimed (an engine's first forwards cost more), then ten runs each taking turns: the
+# answer is short, one run's time is noise
 step "4/5 SSD on the engines, the question as a chat message; then SSD against autoregressive decoding"
-python scripts/generate.py --engines "$ENGINES" --mode ssd --num-draft-tokens 4 --fanout 3 \
-  --chat --prompt "$QUESTION" --max-tokens 96 --compare autoregressive --repeats 10
+python scripts/generate.py --engines "$ENGINES" --draft-method ngram+model --mode ssd --num-draft-tokens 4 \
+  --fanout 3 --chat --prompt "$QUESTION" --max-tokens 96 --compare autoregressive --repeats 10
 took
 
 step "5/5 Triton Inference Server on 127.0.0.1 (gRPC 8001), the answer streamed over gRPC"
-python scripts/serve.py --engines "$ENGINES" &
+python scripts/serve.py --engines "$ENGINES" --draft-method ngram+model &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT  # SIGTERM stops Triton cleanly
 python scripts/client.py --url 127.0.0.1:8001 --wait 300 --chat --prompt "$QUESTION" --max-tokens 96 --stream
