@@ -17,6 +17,7 @@ from saguaro.modelmaker.feature_draft import (
     encoded_prompts,
     feature_loss,
     initial_head,
+    layer_copied,
     make_feature_draft,
     target_answers,
     train_head,
@@ -95,6 +96,20 @@ def test_batched_collection_is_greedy_decoding_one_at_a_time(target, answers):
                                                             empty, LAYERS)
         torch.testing.assert_close(a.features, features[0], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(a.finals, last[0], rtol=1e-4, atol=1e-4)  # what hidden_out is regressed on
+
+
+def test_a_head_starts_as_the_target_layer_that_reads_its_highest_feature(target, answers):
+    """Over layers (0, 1) the head starts as the target's layer 1: its first drafting step
+    on the target's features returns what layer 1 returned at each position (feature 2)."""
+    answer = answers[0][0]
+    width = target.shape.hidden_size
+    head = initial_head(target.model, (0, 1), torch.arange(200), seed=0)
+    assert layer_copied(target.model, (0, 1)) == 1 and layer_copied(target.model, LAYERS) == 1  # the last
+    first_two = dataclasses.replace(answer, features=answer.features[:, :2 * width])
+    with torch.no_grad():
+        (hidden_out,) = unrolled(head, batch_of([first_two], 1, 1), 1)
+    fed = len(answer.ids) - 1
+    torch.testing.assert_close(hidden_out[0, :fed], answer.features[:, 2 * width:], rtol=1e-4, atol=1e-4)
 
 
 def test_chain_mask_sees_the_prefix_and_its_own_chain():
