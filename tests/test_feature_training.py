@@ -103,7 +103,7 @@ def test_a_head_starts_as_the_target_layer_that_reads_its_highest_feature(target
     on the target's features returns what layer 1 returned at each position (feature 2)."""
     answer = answers[0][0]
     width = target.shape.hidden_size
-    head = initial_head(target.model, (0, 1), torch.arange(200), seed=0)
+    head = initial_head(target.model, (0, 1), torch.arange(200))
     assert layer_copied(target.model, (0, 1)) == 1 and layer_copied(target.model, LAYERS) == 1  # the last
     first_two = dataclasses.replace(answer, features=answer.features[:, :2 * width])
     with torch.no_grad():
@@ -121,7 +121,7 @@ def test_unrolled_steps_are_the_heads_runtime_drafting(target, answers):
     """Step 1 is the head on the target's features; step 2 at element e is the head's next
     step after e, fed its own hidden_out (what a runtime does when it drafts)."""
     train, _ = answers
-    head = initial_head(target.model, LAYERS, torch.arange(200), seed=0)
+    head = initial_head(target.model, LAYERS, torch.arange(200))
     with torch.no_grad():
         for parameter in head.midlayer.parameters():
             parameter.normal_(0, 0.2)
@@ -171,7 +171,7 @@ def test_round_replay():
 def test_short_training_raises_held_out_agreement(target, answers):
     train, held_out = answers
     vocab = draft_vocabulary(train, TINY.draft_vocab_size, target.shape.vocab_size, target.eos_token_ids)
-    head = initial_head(target.model, LAYERS, vocab, seed=0)
+    head = initial_head(target.model, LAYERS, vocab)
     before = acceptance(head, held_out, 4)
     train_head(head, train, TINY, bf16=False, progress=False)
     after = acceptance(head, held_out, 4)

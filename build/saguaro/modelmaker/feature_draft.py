@@ -103,9 +103,10 @@ PRESETS = {
 
 # The head and its training.
 
-def initial_head(target: Llama, feature_layers: tuple[int, ...], vocab_ids: torch.Tensor, seed: int) -> FeatureHead:
+def initial_head(target: Llama, feature_layers: tuple[int, ...], vocab_ids: torch.Tensor) -> FeatureHead:
     """The target's final norm and lm_head rows for the draft vocabulary, and its decoder
-    layer over the highest feature (`layer_copied`)."""
+    layer over the highest feature (`copy_target_layer`): every weight is the target's, so
+    the head starts the same whatever the seed (which draws the training batches)."""
     s = target.shape
     shape = FeatureHeadShape(hidden_size=s.hidden_size, intermediate_size=s.intermediate_size, num_heads=s.num_heads,
                              num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, rms_norm_eps=s.rms_norm_eps,
@@ -113,12 +114,8 @@ def initial_head(target: Llama, feature_layers: tuple[int, ...], vocab_ids: torc
                              max_position_embeddings=s.max_position_embeddings, vocab_size=s.vocab_size,
                              draft_vocab_size=len(vocab_ids), feature_layers=tuple(feature_layers),
                              target_hidden_size=s.hidden_size)
-    torch.manual_seed(seed)
     head = FeatureHead(shape, target.model.embed_tokens.weight)
     with torch.no_grad():
-        for name, parameter in head.named_parameters():
-            if parameter.dim() == 2:
-                parameter.normal_(0, 0.02)
         head.norm.load_state_dict(target.model.norm.state_dict())
         head.lm_head.weight.copy_(target.lm_head.weight[vocab_ids])
     copy_target_layer(head, target)
@@ -245,7 +242,7 @@ def make_feature_draft(target_dir: str | Path, out: str | Path,
         train, held_out = target_answers(checkpoint, settings, layers, bf16, progress, seconds, deadline)
         vocab_ids = draft_vocabulary(train, settings.draft_vocab_size, checkpoint.shape.vocab_size,
                                      checkpoint.eos_token_ids)
-        head = initial_head(checkpoint.model, layers, vocab_ids, settings.seed)
+        head = initial_head(checkpoint.model, layers, vocab_ids)
         before = acceptance(head, held_out, settings.k)
         mark = time.perf_counter()
         bound = f", fewer if the run's {settings.minutes:g} minutes end first" if deadline is not None else ""
@@ -337,7 +334,7 @@ def provisional_head(target: Llama, layers: tuple[int, ...], answers: list[Answe
                      settings: FeatureDraftSettings) -> FeatureHead:
     """A head of the run's shape, only to time training steps on."""
     vocab_ids = draft_vocabulary(answers, settings.draft_vocab_size, target.shape.vocab_size, ())
-    return initial_head(target, layers, vocab_ids, settings.seed)
+    return initial_head(target, layers, vocab_ids)
 
 
 def encoded_prompts(tokenizer, settings: FeatureDraftSettings, held_out: bool) -> list[list[int]]:
