@@ -10,6 +10,7 @@ import torch
 
 from saguaro.modelmaker.feature_answers import Answer, collect_answers
 from saguaro.modelmaker.feature_chains import batch_of, chain_mask, unrolled
+from saguaro.modelmaker import feature_draft
 from saguaro.modelmaker.feature_draft import (
     PASSES,
     PRESETS,
@@ -21,6 +22,7 @@ from saguaro.modelmaker.feature_draft import (
     make_feature_draft,
     target_answers,
     train_head,
+    training_pace,
     training_room,
 )
 from saguaro.modelmaker.feature_report import acceptance, round_lengths
@@ -76,6 +78,25 @@ def test_training_room_leaves_the_steps_answers_are_worth():
     # many answers are worth at most the preset's 100 steps (50 s)
     assert room(4000, 950.0) and not room(4000, 950.5)
     assert PASSES == 8
+
+
+def test_training_pace_is_the_steps_after_the_first_slow_ones(monkeypatch):
+    """A fresh process's first training steps are slow; the pace that sizes the answers is
+    the steps after them (timing the first two had stopped the quick preset at 128 of its
+    192 answers)."""
+    layer = torch.nn.Linear(2, 1)
+    calls = []
+
+    def draws(head, answers, settings, bf16):
+        def batch_loss():
+            calls.append(None)
+            time.sleep(0.2 if len(calls) <= 3 else 0.01)
+            return layer(torch.ones(2)).sum()
+        return batch_loss
+
+    monkeypatch.setattr(feature_draft, "loss_on_draws", draws)
+    pace = training_pace(layer, [], TINY, bf16=False)
+    assert len(calls) == 7 and 0.009 < pace < 0.1
 
 
 def test_batched_collection_is_greedy_decoding_one_at_a_time(target, answers):
