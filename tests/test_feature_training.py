@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
+from saguaro.modelmaker import feature_draft
 from saguaro.modelmaker.feature_answers import Answer, collect_answers
 from saguaro.modelmaker.feature_chains import batch_of, chain_mask, unrolled
-from saguaro.modelmaker import feature_draft
 from saguaro.modelmaker.feature_draft import (
     PASSES,
     PRESETS,
