@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from saguaro.benchmarks.load_bench import Level, main, merged
+from saguaro.benchmarks.load_bench import Level, main, merged, paired_ratios
 
 pytestmark = pytest.mark.server
 
@@ -28,6 +28,9 @@ def test_the_load_benchmark_measures_every_mode_at_every_concurrency(tiny_engine
         assert level["mean_batch"] <= level["concurrency"]
         assert 0.0 <= level["alone"] <= 1.0  # a share of the level's rounds, each counted once
     assert all(level["mean_k"] == 0 for level in levels if level["mode"] == "batched AR")
+    # SSD's levels carry their repeats' ratios to AR's, AR's none
+    assert [len(level["over_ar"]) for level in levels] == [0, 0, 2, 2]
+    assert "SSD policy / batched AR by repeat" in printed
     assert "targets (measured ratios):" in printed and "batched SSD policy" in printed
     measured = [(line[:22].strip(), int(line[22:27])) for line in printed.splitlines()
                 if line.startswith("batched") and line[22:27].strip().isdigit() and "runs)" not in line]
@@ -51,6 +54,14 @@ def test_runs_of_a_level_count_as_one_their_tokens_over_their_seconds():
     assert (one.itl_ms_p50, one.itl_ms_p99) == (20.0, 30.0)  # over every request of both runs
     assert one.mean_batch == pytest.approx(3.25) and one.alone == pytest.approx(0.7)  # by time
     assert one.cpu_ms_per_token["server"] == pytest.approx(2.0)  # by tokens
+
+
+def test_paired_ratios_divide_each_repeat_by_the_baselines_same_repeat():
+    def run(tokens_per_s):
+        return Level("m", 4, 2, 100, 1.0, tokens_per_s, 0.0, 0.0, 0.0, 0.0, 4.0, 0.0, {})
+    ssd, ar = [run(90.0), run(120.0)], [run(100.0), run(100.0)]
+    assert paired_ratios(ssd, ar) == [0.9, 1.2]
+    assert paired_ratios(ar, ar) == [] and paired_ratios(ssd, []) == []
 
 
 def test_a_levels_metrics_are_read_once_no_request_is_in_flight():

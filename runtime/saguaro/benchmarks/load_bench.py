@@ -94,6 +94,8 @@ class Level:
     ttft_ms: list[float] = field(default_factory=list)  # each request's
     undrafted: dict = field(default_factory=dict)        # share of the rounds that drafted nothing, by why
     alone: float = 0.0                                   # share of the rounds the target verified alone
+    # tokens/s over batched AR's on the same path, repeat by repeat (`paired_ratios`)
+    over_ar: list[float] = field(default_factory=list)
 
 
 def merged(runs: list[Level]) -> Level:
@@ -244,6 +246,7 @@ def run_modes(args, modes: list[Mode], extra: dict, concurrency: tuple[int, ...]
                 url = f"127.0.0.1:{server.ports.grpc}"
                 processes = server_processes(server.process.pid)
                 served = [(mode, path) for mode in modes if mode.batching == batching for path in args.paths]
+                paths = {level_name(mode, path): path for mode, path in served}
                 for mode, path in served:
                     run_level(url, server.ports.metrics, mode, 1, 2, args.max_tokens, extra, path)  # warm-up
                 for index, c in enumerate(concurrency):
@@ -256,11 +259,21 @@ def run_modes(args, modes: list[Mode], extra: dict, concurrency: tuple[int, ...]
                                               args.max_tokens, extra, path, processes)
                             print_level(level)
                             runs.setdefault(level.mode, []).append(level)
-                    for mode_runs in runs.values():
+                    for name, mode_runs in runs.items():
                         levels.append(merged(mode_runs))
+                        levels[-1].over_ar = paired_ratios(mode_runs, runs.get(level_name(MODES[0], paths[name]), []))
                         if args.repeats > 1:
                             print_level(levels[-1])
     return sorted(levels, key=lambda level: (names.index(level.mode), level.concurrency))
+
+
+def paired_ratios(runs: list[Level], baseline: list[Level]) -> list[float]:
+    """Each repeat's tokens/s over the baseline's in the same repeat (the two ran back to
+    back): the spread of these is the noise a merged ratio carries. Empty for the
+    baseline itself, or without one."""
+    if runs is baseline or len(runs) != len(baseline):
+        return []
+    return [round(run.tokens_per_s / base.tokens_per_s, 3) for run, base in zip(runs, baseline)]
 
 
 def warm_up(args, url: str, metrics_port: int, served: list, concurrency: int, extra: dict) -> None:
@@ -331,6 +344,11 @@ def print_targets(levels: list[Level], sampled: list[Level]) -> None:
     print("\ntargets (measured ratios):")
     for name, numerator, denominator in rows:
         print(f"  {name:46s} {ratio(numerator, denominator)}")
+    for level in levels:
+        if level.mode == ssd and len(level.over_ar) > 1:
+            print(f"  C={level.concurrency}: SSD policy / batched AR by repeat "
+                  + ", ".join(f"{r:.2f}" for r in level.over_ar)
+                  + f" (mean {sum(level.over_ar) / len(level.over_ar):.2f})")
     for level in levels:
         if level.mode == ssd and level.mean_k > 0.05:
             itl_ar = figure(levels, ar, level.concurrency, "itl_ms_p50")
