@@ -88,6 +88,35 @@ def test_modes_run_interleaved_prompt_by_prompt_in_turned_order_each_pass_the_ot
                for t in totals.values())
 
 
+def test_passes_keep_each_modes_speed_over_the_first_modes_pass_by_pass(capsys):
+    """`--passes N`: totals over every pass, and each mode's ratio to autoregressive decoding
+    pass by pass, whose spread is what a ratio of one run cannot show."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from saguaro.benchmarks.bench import STAT_KEYS, parse_args, print_passes, run_interleaved
+
+    calls = []
+
+    class Recorder:
+        def generate(self, prompt, options, sampling):
+            calls.append(options)
+            slow = options == "B" and len(calls) <= 4  # mode b in the first pass (2 prompts x 2 modes)
+            stats = dict.fromkeys(STAT_KEYS, 1) | {"tokens": 10, "total_s": 3.0 if slow else 2.0, "prefill_s": 1.0,
+                                                   "mean_accepted": 0.5}
+            return SimpleNamespace(stats=SimpleNamespace(**stats))
+
+    totals = run_interleaved(Recorder(), ["p0", "p1"], [("a", "A"), ("b", "B")], None, passes=2)
+    assert len(calls) == 8 and totals["b"]["tokens"] == 40
+    assert totals["a"]["by_pass"] == [1.0, 1.0] and totals["b"]["by_pass"] == [0.5, 1.0]
+    print_passes(totals)
+    last = capsys.readouterr().out.splitlines()[-1].split()
+    assert last[0] == "b" and last[1:3] == ["0.750", "+-"] and last[-3:] == ["0.500", "to", "1.000"]
+    with pytest.raises(SystemExit):
+        parse_args(["--passes", "0"])
+
+
 def test_transformers_rows_stop_at_the_end_of_generation_unless_told_to_go_on(tiny_pair):
     import torch
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -72,6 +73,9 @@ def parse_args(argv=None):
                              "chat model writes there, a new turn it was never asked for, is not what users decode)")
     parser.add_argument("--prompts", type=int, default=4, help="how many of the built-in prompts")
     parser.add_argument("--chat", action="store_true", help="chat questions rendered with the model's template")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="times over the prompts; with 2 or more, each mode's ratio to autoregressive pass by "
+                             "pass (mean, 95%% interval, range) follows the table")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
     parser.add_argument("--top-k", type=int, default=0, help="top-k sampling (with --temperature)")
@@ -89,6 +93,8 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=2, help="--placement: passes over the placements")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON to this file")
     args = parser.parse_args(argv)
+    if args.passes < 1:
+        parser.error(f"--passes must be >= 1, got {args.passes}")
     if (args.engines_only or args.placement or args.assisted) and args.engines is None:
         parser.error("--engines-only, --placement and --assisted need --engines DIR")
     try:
@@ -117,7 +123,8 @@ def run_mode(pipeline, prompts, options, sampling) -> dict:
     return finished(totals)
 
 
-def run_interleaved(pipeline, prompts, modes: list[tuple[str, DecodeOptions]], sampling) -> dict[str, dict]:
+def run_interleaved(pipeline, prompts, modes: list[tuple[str, DecodeOptions]], sampling,
+                    passes: int = 1) -> dict[str, dict]:
     """Every mode on each prompt before the next prompt, the order turned by one each
     prompt: a busy spell of a shared machine slows every mode alike instead of whichever
     mode it lands on (run one mode after another, autoregressive moved by 10% between
@@ -125,14 +132,34 @@ def run_interleaved(pipeline, prompts, modes: list[tuple[str, DecodeOptions]], s
     round, so that a mode follows each of its neighbours: turned alone, the load policy's
     mode always ran right after SSD with K pinned, whose draft session's threads still
     spun on the other core, and on the tiny engines (rounds of 0.3 ms) its verifications
-    took 0.16-0.19 s where autoregressive decoding's took 0.13-0.14."""
-    totals = {name: new_totals() for name, _ in modes}
-    for index, prompt in enumerate(prompts):
-        turn = index % len(modes)
-        order = modes[turn:] + modes[:turn]
-        for name, options in order if (index // len(modes)) % 2 == 0 else order[::-1]:
-            add_generation(totals[name], pipeline.generate(prompt, options, sampling).stats)
+    took 0.16-0.19 s where autoregressive decoding's took 0.13-0.14. `passes` times over
+    the prompts; each mode's totals cover them all, and `by_pass` holds its speed over the
+    first mode's (autoregressive) pass by pass: on a 2-core machine one pass's ratio moves
+    by several percent, so a margin of 3% is read from the passes' spread, not one run."""
+    totals = {name: new_totals() | {"by_pass": []} for name, _ in modes}
+    for _ in range(passes):
+        this_pass = {name: new_totals() for name, _ in modes}
+        for index, prompt in enumerate(prompts):
+            turn = index % len(modes)
+            order = modes[turn:] + modes[:turn]
+            for name, options in order if (index // len(modes)) % 2 == 0 else order[::-1]:
+                stats = pipeline.generate(prompt, options, sampling).stats
+                add_generation(totals[name], stats)
+                add_generation(this_pass[name], stats)
+        baseline = finished(this_pass[modes[0][0]])["decode_tokens_per_s"]
+        for name, _ in modes:
+            totals[name]["by_pass"].append(round(finished(this_pass[name])["decode_tokens_per_s"] / baseline, 4))
     return {name: finished(totals[name]) for name, _ in modes}
+
+
+def print_passes(modes: dict[str, dict]) -> None:
+    """Each mode's speed over autoregressive decoding, pass by pass: mean, 95% interval
+    of the mean, range."""
+    print(f"vs AR by pass ({len(next(iter(modes.values()))['by_pass'])} passes):")
+    for name, totals in list(modes.items())[1:]:
+        ratios = totals["by_pass"]
+        half = 1.96 * statistics.stdev(ratios) / len(ratios) ** 0.5
+        print(f"  {name:24s} {statistics.mean(ratios):.3f} +- {half:.3f}, {min(ratios):.3f} to {max(ratios):.3f}")
 
 
 def new_totals() -> dict:
@@ -233,13 +260,16 @@ def run_modes(args) -> dict:
           "tok/s counts decoding, prefill is per prompt")
     print(f"{'mode':24s} {'tok/s':>7s} {'vs AR':>6s} {'prefill ms':>10s} {'K/rnd':>5s} {'acc/rnd':>7s} {'hit%':>5s} "
           f"{'pre/fresh':>9s} {'verify s':>8s} {'draft s':>8s} {'wait s':>7s}")
-    figures["modes"] = run_interleaved(pipeline, prompts, mode_options(args, k, branch_options), sampling)
+    figures["modes"] = run_interleaved(pipeline, prompts, mode_options(args, k, branch_options), sampling,
+                                       args.passes)
     baseline = figures["modes"]["autoregressive"]["decode_tokens_per_s"]
     for name, totals in figures["modes"].items():
-        print(mode_row(name, totals, baseline, len(prompts)))
+        print(mode_row(name, totals, baseline, len(prompts) * args.passes))
+    if args.passes > 1:
+        print_passes(figures["modes"])
     if not args.ignore_eos:
         print(f"tokens decoded: {figures['modes']['autoregressive']['tokens']} autoregressive "
-              f"(of {len(prompts) * args.max_tokens} at most; the answers end where the model ends them)")
+              f"(of {len(prompts) * args.max_tokens * args.passes} at most; the answers end where the model ends them)")
     checkpoints = checkpoints_for_assisted(args)
     if checkpoints is not None and args.temperature == 0:
         for name, timing in transformers_timings(*checkpoints, prompts, args.max_tokens, args.ignore_eos).items():
