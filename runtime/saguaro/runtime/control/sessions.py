@@ -15,6 +15,14 @@ machine's load of that moment slowed alike. The rounds use the wide session unle
 median of the last `PAIRS_KEPT` pairs at that width (the nearest width measured, before
 any at that one) says the other is faster.
 
+A trial takes two rounds on the other session and measures the second: the first round
+on a session after a stretch of the other's is slow whichever it is (its threads idle, its
+buffers out of the caches). On the tiny engines at one stream, in one process, a round's
+verification took 0.33 ms as the first on the one-thread session, 0.13-0.14 from its
+second on, 0.26-0.30 as the first on the wide one and 0.24 in a stretch of them: trials of
+one round measured the one-thread session at its first round, lost, and kept the rounds on
+the wide session (99.5% of them), the slower one there.
+
 A trial of the one-thread session that the wide one wins by `TRIAL_MARGIN` or more doubles
 the period, up to 2^`TRIAL_BACKOFF` periods, and any other trial brings the period back. On
 an idle machine every trial lost by a wide margin (SmolLM2 int8 at one stream: 12.1 ms on
@@ -49,6 +57,7 @@ class SessionChoice:
         self.enabled = enabled
         self.ratios: dict[int, deque[float]] = {}  # width -> log(one-thread / wide seconds), by pair
         self._since_trial = 0    # rounds since the last trial
+        self._warming = False    # the round asked last is a trial's first, measured nothing
         self._trials_won = 0     # trials of the one-thread session in a row that the wide one won clearly
         self._asked: tuple[int, bool, bool] | None = None  # this round: tokens, wide, a trial
         self._usual: tuple[int, float] | None = None       # the last usual round: tokens, seconds
@@ -75,13 +84,16 @@ class SessionChoice:
         return self._asked is not None and self._asked[2]
 
     def runs_alone(self, tokens: int) -> bool:
-        """This round's session (True: the wide one); once a period, the other one."""
+        """This round's session (True: the wide one); once a period, the other one for two
+        rounds, the first to warm it up."""
         if not self.enabled:
             return False
         self._since_trial += 1
         trial = self._since_trial >= self.trial_period
         if trial:
-            self._since_trial = 0
+            # the warm-up leaves the count at the period, so that the trial follows it
+            self._warming = not self._warming
+            self._since_trial = self._since_trial - 1 if self._warming else 0
         wide = self.wide(tokens) != trial
         self._asked = (tokens, wide, trial)
         return wide
@@ -92,6 +104,8 @@ class SessionChoice:
         if self._asked is None:
             return
         (tokens, wide, trial), self._asked = self._asked, None
+        if trial and self._warming:
+            return
         if trial:
             before = self._usual[1] if self._usual is not None and self._usual[0] == tokens else None
             self._trial = (tokens, seconds, wide, before)
