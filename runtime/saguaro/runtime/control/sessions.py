@@ -10,14 +10,15 @@ period), a busy spell of one was set against a quiet moment of the other. Throug
 server at 4 streams (bench pair) that chose the one-thread session for 6-64% of a level's
 rounds, where in every level those rounds measured slower than the wide session's
 (14-17 ms against 12.5-14, the same width). So a trial is judged against its neighbours:
-the usual session's rounds just before and just after it, at the same width, which the
+the usual session's rounds just before and just after it (below), at the same width, which the
 machine's load of that moment slowed alike. The rounds use the wide session unless the
 median of the last `PAIRS_KEPT` pairs at that width (the nearest width measured, before
 any at that one) says the other is faster.
 
-A trial takes two rounds on the other session and measures the second: the first round
-on a session after a stretch of the other's is slow whichever it is (its threads idle, its
-buffers out of the caches). On the tiny engines at one stream, in one process, a round's
+A trial takes two rounds on the other session and measures the second, and its neighbour
+after it is the usual session's second round back: the first round on a session after a
+stretch of the other's is slow whichever it is (its threads idle, its buffers out of the
+caches). On the tiny engines at one stream, in one process, a round's
 verification took 0.33 ms as the first on the one-thread session, 0.13-0.14 from its
 second on, 0.26-0.30 as the first on the wide one and 0.24 in a stretch of them: trials of
 one round measured the one-thread session at its first round, lost, and kept the rounds on
@@ -58,6 +59,7 @@ class SessionChoice:
         self.ratios: dict[int, deque[float]] = {}  # width -> log(one-thread / wide seconds), by pair
         self._since_trial = 0    # rounds since the last trial
         self._warming = False    # the round asked last is a trial's first, measured nothing
+        self._rewarming = False  # the next usual round is the first after a trial: no neighbour
         self._trials_won = 0     # trials of the one-thread session in a row that the wide one won clearly
         self._asked: tuple[int, bool, bool] | None = None  # this round: tokens, wide, a trial
         self._usual: tuple[int, float] | None = None       # the last usual round: tokens, seconds
@@ -109,9 +111,12 @@ class SessionChoice:
         if trial:
             before = self._usual[1] if self._usual is not None and self._usual[0] == tokens else None
             self._trial = (tokens, seconds, wide, before)
+            self._rewarming = True
             return
         self._usual = (tokens, seconds)
-        if self._trial is not None:
+        if self._rewarming:
+            self._rewarming = False
+        elif self._trial is not None:
             self._pair(tokens, seconds)
 
     def _pair(self, tokens: int, after: float) -> None:
