@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from saguaro.benchmarks.engine_suite import (
     run_suite,
 )
 from saguaro.benchmarks.placement import PLACEMENTS, placement_pipeline, unpin_this_thread
+from saguaro.benchmarks.ratios import spread
 from saguaro.runtime.arguments import DECODE_DEFAULTS, add_draft_method_argument, flag_type
 from saguaro.runtime.core.options import DecodeOptions, parse_budget, parse_fanout
 from saguaro.runtime.core.sampling import SamplingParams
@@ -157,9 +157,7 @@ def print_passes(modes: dict[str, dict]) -> None:
     of the mean, range."""
     print(f"vs AR by pass ({len(next(iter(modes.values()))['by_pass'])} passes):")
     for name, totals in list(modes.items())[1:]:
-        ratios = totals["by_pass"]
-        half = 1.96 * statistics.stdev(ratios) / len(ratios) ** 0.5
-        print(f"  {name:24s} {statistics.mean(ratios):.3f} +- {half:.3f}, {min(ratios):.3f} to {max(ratios):.3f}")
+        print(f"  {name:24s} {spread(totals['by_pass'])}")
 
 
 def new_totals() -> dict:

@@ -42,6 +42,7 @@ import tritonclient.grpc as grpcclient
 
 from saguaro.benchmarks.cpu_profile import server_processes, snapshot, spent
 from saguaro.benchmarks.figures import pyplot, save
+from saguaro.benchmarks.ratios import spread
 from saguaro.runtime.arguments import DECODE_DEFAULTS, add_draft_method_argument
 from saguaro.runtime.control.round_report import UNDRAFTED_REASONS
 from saguaro.runtime.core.options import DRAFT_METHODS
@@ -346,9 +347,7 @@ def print_targets(levels: list[Level], sampled: list[Level]) -> None:
         print(f"  {name:46s} {ratio(numerator, denominator)}")
     for level in levels:
         if level.mode == ssd and len(level.over_ar) > 1:
-            print(f"  C={level.concurrency}: SSD policy / batched AR by repeat "
-                  + ", ".join(f"{r:.2f}" for r in level.over_ar)
-                  + f" (mean {sum(level.over_ar) / len(level.over_ar):.2f})")
+            print(f"  C={level.concurrency}: SSD policy / batched AR by repeat {spread(level.over_ar)}")
     for level in levels:
         if level.mode == ssd and level.mean_k > 0.05:
             itl_ar = figure(levels, ar, level.concurrency, "itl_ms_p50")
