@@ -18,6 +18,8 @@ from saguaro.runtime.control.costs import (
     CostCurve,
     LinearCost,
     Misprediction,
+    factor_in,
+    factors_along,
 )
 from saguaro.runtime.control.load_policy import QUIET_ROUNDS, REPLAN_BACKOFF, REPLAN_ROUNDS, LoadPolicy
 from saguaro.runtime.control.probes import PROBE_DRAFTS, PROBE_PERIOD, PROBE_SHARE, probe_period
@@ -125,6 +127,22 @@ def test_a_size_measured_bounds_every_smaller_one():
         cost.observe(16, 0.042, following=0.5)
     assert cost(16) == pytest.approx(0.042, rel=0.02) and cost(12) <= cost(16)
     assert cost(32) > cost(16)  # wider sizes keep their own level
+
+
+def test_the_levels_read_in_one_walk_are_the_factors_read_one_by_one():
+    """`factors_along` walks the sorted sizes and the factors once: each size's factor is
+    what `factor_in` reads for it alone, before, between, at and past the points that
+    measurements moved."""
+    factors = [(2.0, 1.5), (5.0, 0.5), (16.0, 2.0)]
+    sizes = [1, 2, 3, 4, 5, 6, 12, 16, 32]
+    assert factors_along(factors, sizes) == [factor_in(factors, size) for size in sizes]
+    assert factors_along([], sizes) == [1.0] * len(sizes)
+    cost = CostCurve({size: 0.001 * size for size in sizes})
+    for size, seconds in ((4, 0.006), (12, 0.010), (4, 0.005)):
+        cost.observe(size, seconds)
+    factors = list(cost.factors.items())
+    assert [size for size, _ in factors] == sorted(size for size, _ in factors)
+    assert cost._levels() == [(size, 0.001 * size * factor_in(factors, size)) for size in sizes]
 
 
 def test_a_one_point_curve_is_read_the_same_way_by_measurements_and_predictions():
