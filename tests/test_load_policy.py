@@ -364,6 +364,25 @@ def test_a_draft_that_stops_short_is_priced_for_what_it_proposes():
         (model.verified_tokens(4) - ngram.verified_tokens(4)) * 0.0004, rel=0.05)
 
 
+def test_a_round_that_drafts_nothing_is_priced_by_its_size_alone():
+    """`undrafted_seconds`, asked beside every K weighed, is `modelled_seconds` at K = 0
+    for any batch of that size: model drafts, n-gram drafts, pre-speculating or not, rows
+    padded or not."""
+    policy = policy_with(measured(0.004, 0.0004), measured(0.0003, 0.00002), acceptance=0.6)
+    stopping = Acceptance()
+    for _ in range(10):
+        stopping.record(0, 0, asked=4)
+    batch = [policy._candidate(FakeSequence()), policy._candidate(FakeSequence(acceptance=stopping))]
+    batch.append(replace(batch[1], free=True, matching=0.3))
+    price = policy.price
+    for padded in (False, True):
+        price.padded = padded
+        for size in (1, 2, 3):
+            assert price.undrafted_seconds(size) == price.modelled_seconds(batch[:size], [0] * size)
+    assert price.undrafted_seconds(3) > price.undrafted_seconds(1)
+    assert price.seconds(batch, [0, 0, 0]) == price.undrafted_seconds(3)
+
+
 def test_a_draft_that_must_first_feed_a_long_lag_drafts_only_where_the_rounds_left_repay_it():
     """A draft cache that lacks 300 committed tokens (a prompt it never fed, a long stretch
     at K = 0) feeds them before its first draft step, on the round's critical path: paid
@@ -549,6 +568,37 @@ def test_a_choice_in_which_nothing_drafts_holds_longer_each_time_it_is_made_agai
     assert not undrafted._hopeless and holds[-1] == REPLAN_ROUNDS << REPLAN_BACKOFF
     drafting = policy_with(measured(0.004, 0.0003), measured(0.0003, 0.00002), acceptance=1.0)
     assert rounds_weighed(drafting, 1.0, 5 * REPLAN_ROUNDS) == [i * REPLAN_ROUNDS for i in range(5)]
+
+
+def test_a_held_choice_of_k_zero_plans_as_the_whole_choice_would():
+    """While the kept choice drafts nothing and holds, a round's plans are made without
+    weighing candidates (`_held_undrafted`); they are the plans the whole choice makes,
+    probes included, round for round: one request, pre-speculating and not, and two
+    requests of which one drafts in its probes and the other's K is pinned at 0."""
+    def plans_of(shortcut: bool, batch_of) -> tuple[list[list[Plan]], int]:
+        policy = policy_with(measured(0.004, 0.0003), measured(0.0003, 0.00002), acceptance=0.8)
+        policy.shared[True].verified, policy.shared[True].accepted = [], []
+        held = policy._held_undrafted
+        shortcuts = []
+        policy._held_undrafted = lambda batch: shortcuts.append(held(batch)) or shortcuts[-1] if shortcut else None
+        batch, plans = batch_of(), []
+        for round_index in range(12 * PROBE_PERIOD):
+            chosen = policy.choose(batch)
+            for sequence, plan in zip(batch, chosen):
+                sequence.plan = plan
+                accepted = 1 if plan.probe and round_index > 8 * PROBE_PERIOD else 0  # comes back late
+                policy.record_round(sequence.acceptance, sequence.greedy, plan.draft_tokens, accepted)
+            # and when it weighs again, and what the clock counts the round as
+            plans.append((chosen, policy._kept.rounds_left, policy._undrafted_choices, policy.clock._kind))
+        return plans, sum(plan is not None for plan in shortcuts)
+
+    for batch_of in (lambda: [FakeSequence()], lambda: [FakeSequence(prespeculating=True)],
+                     lambda: [FakeSequence(prespeculating=True), FakeSequence(k=0, adapts=False)]):
+        whole, _ = plans_of(False, batch_of)
+        shortcut, used = plans_of(True, batch_of)
+        assert shortcut == whole
+        assert used > len(whole) // 2  # the shortcut made most rounds' plans
+        assert sum(plan.probe for plans, *_ in whole for plan in plans) >= 3
 
 
 def test_no_probe_while_drafting_could_not_pay_at_this_load_and_one_as_soon_as_it_could():

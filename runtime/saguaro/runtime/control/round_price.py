@@ -148,12 +148,16 @@ class RoundPrice:
         """T(K): the model's seconds; for a drafting round, what drafting adds to the round
         corrected by what it added in such rounds of this many requests, measured against
         the model (never below the round without drafts: it does all that round does)."""
-        modelled = self.modelled_seconds(candidates, ks)
         if not any(ks):
-            return modelled
-        undrafted = self.modelled_seconds(candidates, [0] * len(ks))
+            return self.undrafted_seconds(len(candidates))
+        modelled, undrafted = self.modelled_seconds(candidates, ks), self.undrafted_seconds(len(candidates))
         correction = self.misprediction[prespeculates(candidates, ks)](len(candidates))
         return undrafted + correction * max(modelled - undrafted, 0.0)
+
+    def undrafted_seconds(self, requests: int) -> float:
+        """`modelled_seconds` of a round of `requests` that drafts nothing: each verifies one
+        token, alone, with a plain round's host work. Asked beside every K the policy weighs."""
+        return self.verify_seconds(float(requests), alone=True) + self.host_seconds(requests, drafting=False)
 
     def modelled_seconds(self, candidates, ks) -> float:
         """T(K) from the curves. Without pre-speculation nothing of the draft's overlaps
