@@ -578,9 +578,12 @@ def test_a_held_choice_of_k_zero_plans_as_the_whole_choice_would():
     def plans_of(shortcut: bool, batch_of) -> tuple[list[list[Plan]], int]:
         policy = policy_with(measured(0.004, 0.0003), measured(0.0003, 0.00002), acceptance=0.8)
         policy.shared[True].verified, policy.shared[True].accepted = [], []
-        held = policy._held_undrafted
-        shortcuts = []
-        policy._held_undrafted = lambda batch: shortcuts.append(held(batch)) or shortcuts[-1] if shortcut else None
+        held, shortcuts = policy._held_undrafted, []
+
+        def counted(batch):
+            shortcuts.append(held(batch) if shortcut else None)
+            return shortcuts[-1]
+        policy._held_undrafted = counted
         batch, plans = batch_of(), []
         for round_index in range(12 * PROBE_PERIOD):
             chosen = policy.choose(batch)
