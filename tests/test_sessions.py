@@ -80,6 +80,23 @@ def test_a_trial_the_other_session_wins_brings_the_period_back():
     assert choice.trial_period == TRIAL_PERIOD
 
 
+def test_a_close_trial_after_clear_ones_halves_the_period_once():
+    """Trials the wide session won clearly spaced them out to 2^TRIAL_BACKOFF periods; a
+    trial it wins by less than TRIAL_MARGIN halves the period, one that the one-thread
+    session wins brings it back: SmolLM2 int8 at one stream lost 6 of 15 trials closely,
+    and each had brought the period back to 32 rounds."""
+    choice = SessionChoice()
+    run(choice, (TRIAL_PERIOD << TRIAL_BACKOFF) * 3, lambda i: 0.010, lambda i: 0.014)
+    assert choice.trial_period == TRIAL_PERIOD << TRIAL_BACKOFF
+    close = 1 + (TRIAL_MARGIN - 1) / 2
+    run(choice, choice.trial_period - choice._since_trial + 3, lambda i: 0.010, lambda i: 0.010 * close)
+    assert choice.trial_period == TRIAL_PERIOD << (TRIAL_BACKOFF - 1)
+    run(choice, choice.trial_period - choice._since_trial + 3, lambda i: 0.010, lambda i: 0.014)
+    assert choice.trial_period == TRIAL_PERIOD << TRIAL_BACKOFF  # won clearly again: doubled back
+    run(choice, choice.trial_period - choice._since_trial + 3, lambda i: 0.010, lambda i: 0.009)
+    assert choice.trial_period == TRIAL_PERIOD  # the one-thread session won
+
+
 def test_where_the_sessions_run_close_the_trials_stay_once_a_period():
     """The usual session wins every trial, each by less than TRIAL_MARGIN: a shared
     machine, whose load moves the choice, keeps its trials once a period."""

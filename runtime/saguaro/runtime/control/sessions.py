@@ -25,7 +25,8 @@ one round measured the one-thread session at its first round, lost, and kept the
 the wide session (99.5% of them), the slower one there.
 
 A trial of the one-thread session that the wide one wins by `TRIAL_MARGIN` or more doubles
-the period, up to 2^`TRIAL_BACKOFF` periods, and any other trial brings the period back. On
+the period, up to 2^`TRIAL_BACKOFF` periods; a trial the session tried wins brings the
+period back, and a close one halves it (`backed_off`). On
 an idle machine every trial lost by a wide margin (SmolLM2 int8 at one stream: 12.1 ms on
 one thread against 9.1 on both), and a trial once in 32 rounds cost every mode 1% of its
 decoding, autoregressive included. Trials of the wide session stay once a period: its
@@ -128,7 +129,23 @@ class SessionChoice:
         if not neighbours or tried <= 0:
             return
         usual = sum(neighbours) / len(neighbours)
-        clearly = not wide and tried >= TRIAL_MARGIN * usual  # a one-thread trial, the wide session faster
-        self._trials_won = self._trials_won + 1 if clearly else 0
+        self._trials_won = backed_off(self._trials_won, wide, tried, usual)
         one_thread, both = (usual, tried) if wide else (tried, usual)
         self.ratios.setdefault(width, deque(maxlen=PAIRS_KEPT)).append(math.log(one_thread / both))
+
+
+def backed_off(trials_won: int, wide: bool, tried: float, usual: float) -> int:
+    """`SessionChoice._trials_won` after a trial of the wide session (`wide`) or the
+    one-thread one that took `tried` seconds against its neighbours' `usual`: one more,
+    up to `TRIAL_BACKOFF`, where the one-thread session lost by `TRIAL_MARGIN` or more; 0
+    where the session tried won (the rounds may move: trials once a period again); one
+    fewer for a close trial. Brought back to 0 by a close one too, SmolLM2 int8 at one
+    stream (autoregressive requests, 1,540 rounds) tried the one-thread session for 30
+    rounds in one run, where 6 of its 15 trials were close (0.99-1.10x the wide session's
+    time, the others 1.51-1.80x), and for 16 in runs whose trials were all clear."""
+    if usual > tried:
+        return 0
+    if not wide and tried >= TRIAL_MARGIN * usual:
+        return min(trials_won + 1, TRIAL_BACKOFF)
+    return max(trials_won - 1, 0)
+
