@@ -281,8 +281,7 @@ class LoadPolicy:
             due, rejected = self.probes.due(sequence.plan, sequence.acceptance.last, sequence.greedy)
             if due:
                 return None  # the whole choice asks whether its probe could pay
-            plans.append(Plan(0, prespeculate, undrafted="priced", quiet=sequence.plan.quiet + 1,
-                              rejected_probes=rejected))
+            plans.append(quiet_round(Plan(0, prespeculate, undrafted="priced"), sequence.plan, rejected))
         kept.rounds_left -= 1
         self.clock.counts(False)
         return plans
@@ -302,7 +301,7 @@ class LoadPolicy:
         if due and not self._hopeless and self._could_pay(candidates, ks, index):
             self.probes.probed(sequence.greedy)
             return Plan(min(PROBE_DRAFTS, candidate.most), prespeculate=False, probe=True, rejected_probes=rejected)
-        return replace(plan, quiet=sequence.plan.quiet + 1, rejected_probes=rejected)
+        return quiet_round(plan, sequence.plan, rejected)
 
     def _could_pay(self, candidates: list[Candidate], ks: list[int], index: int) -> bool:
         """Whether some K > 0 of request `index`, with a draft as good as its kind's drafts
@@ -482,6 +481,12 @@ class LoadPolicy:
                         ks, best = trial, rate
         return ks
 
+
+
+def quiet_round(plan: Plan, last: Plan, rejected_probes: int) -> Plan:
+    """`plan`, drafting nothing for a request that may draft, as one quiet round more after
+    the request's plan `last`, with its probes in a row that accepted nothing."""
+    return replace(plan, quiet=last.quiet + 1, rejected_probes=rejected_probes)
 
 
 def held_plan(last: Plan, prespeculating: bool, matched_tokens: int) -> Plan:

@@ -45,7 +45,7 @@ from collections import deque
 from saguaro.runtime.control.backoff import doubled
 
 TRIAL_PERIOD = 32  # rounds without pre-speculation: the other session verifies one in this many ...
-TRIAL_BACKOFF = 3  # ... times 2 for each trial in a row the wide session won clearly, up to 2^this
+TRIAL_BACKOFF = 3  # ... times 2 for each trial the wide session won clearly (halved by a close one), up to 2^this
 TRIAL_MARGIN = 1.2  # clearly: the trial took this many times the usual session's time or more
 PAIRS_KEPT = 5     # trials per width whose median decides (one preempted trial moves nothing)
 
@@ -61,7 +61,7 @@ class SessionChoice:
         self._since_trial = 0    # rounds since the last trial
         self._warming = False    # the round asked last is a trial's first, measured nothing
         self._rewarming = False  # the next usual round is the first after a trial: no neighbour
-        self._trials_won = 0     # trials of the one-thread session in a row that the wide one won clearly
+        self._trials_won = 0     # the period's doublings, 0..TRIAL_BACKOFF (`backed_off`)
         self._asked: tuple[int, bool, bool] | None = None  # this round: tokens, wide, a trial
         self._usual: tuple[int, float] | None = None       # the last usual round: tokens, seconds
         self._trial: tuple[int, float, bool, float | None] | None = None  # tokens, seconds, wide, before
